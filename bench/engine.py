@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlgate.engines import SamplingParams, collect  # noqa: E402
@@ -28,14 +29,23 @@ from rlgate.models import prepare_model  # noqa: E402
 PROMPT = "Write a short story about a robot who learns to paint."
 
 
-async def throughput(generate_one, concurrency: int, tokens: int, rounds: int) -> float:
-    """Generated tokens per second with ``concurrency`` requests in flight."""
-    started = time.perf_counter()
-    total = 0
-    for r in range(rounds):
-        counts = await asyncio.gather(*[generate_one(r * concurrency + i, tokens) for i in range(concurrency)])
-        total += sum(counts)
-    return total / (time.perf_counter() - started)
+TRIALS = 3
+PEER = "bare AsyncLLM (peer)"
+
+
+async def throughput(generate_one, concurrency: int, tokens: int, rounds: int) -> list[float]:
+    """Generated tokens per second with ``concurrency`` requests in flight, one
+    figure per trial (on a small shared machine single runs vary by 2x)."""
+    figures = []
+    for trial in range(TRIALS):
+        started = time.perf_counter()
+        total = 0
+        for r in range(rounds):
+            base = (trial * rounds + r) * concurrency
+            counts = await asyncio.gather(*[generate_one(base + i, tokens) for i in range(concurrency)])
+            total += sum(counts)
+        figures.append(total / (time.perf_counter() - started))
+    return figures
 
 
 async def bench_rlgate_engine(kind: str, path: Path, prompt_ids, tokens: int, updates: int) -> dict:
@@ -55,7 +65,7 @@ async def bench_rlgate_engine(kind: str, path: Path, prompt_ids, tokens: int, up
     try:
         await one(0, 4)  # warm-up
         result = {
-            "c1": await throughput(one, 1, tokens, rounds=3),
+            "c1": await throughput(one, 1, tokens, rounds=4),
             "c64": await throughput(one, 64, tokens, rounds=1),
         }
         weights = load_file(next(path.glob("*.safetensors")))
@@ -96,11 +106,12 @@ async def bench_bare_asyncllm(path: Path, prompt_ids, tokens: int) -> dict:
     try:
         await one(0, 4)
         return {
-            "c1": await throughput(one, 1, tokens, rounds=3),
+            "c1": await throughput(one, 1, tokens, rounds=4),
             "c64": await throughput(one, 64, tokens, rounds=1),
         }
     finally:
         llm.shutdown()
+        del llm  # not at interpreter exit, where vLLM's __del__ fails noisily
 
 
 def main() -> None:
@@ -126,20 +137,23 @@ def main() -> None:
         ]
         rows = results.setdefault(model, {})
         if vllm_installed():
-            rows["vllm (bare AsyncLLM, peer)"] = asyncio.run(bench_bare_asyncllm(path, prompt_ids, args.tokens))
+            rows[PEER] = asyncio.run(bench_bare_asyncllm(path, prompt_ids, args.tokens))
             rows["VLLMEngine"] = asyncio.run(bench_rlgate_engine("vllm", path, prompt_ids, args.tokens, args.updates))
         rows["HFEngine"] = asyncio.run(bench_rlgate_engine("hf", path, prompt_ids, args.tokens, args.updates))
 
-    table = Table(title=f"generated tokens/s ({args.tokens} tokens per request, fp32, {os.cpu_count()} CPUs)")
-    for column in ("model", "engine", "conc. 1", "conc. 64", "vs peer (c1 / c64)", "weight update s"):
-        table.add_column(column, justify="right" if column not in ("model", "engine") else "left")
+    title = f"generated tokens/s, median (min-max) of {TRIALS} trials ({args.tokens} tokens/request, {os.cpu_count()} CPUs)"
+    table = Table(title=title)
+    for column in ("model", "engine", "conc. 1", "conc. 64", "vs peer c1", "vs peer c64", "update s"):
+        table.add_column(column, justify="left" if column in ("model", "engine") else "right")
+    med = statistics.median
     for model, rows in results.items():
-        peer = rows.get("vllm (bare AsyncLLM, peer)")
+        peer = rows.get(PEER)
         for name, row in rows.items():
-            ratio = f"{row['c1'] / peer['c1']:.2f}x / {row['c64'] / peer['c64']:.2f}x" if peer else "-"
+            cells = [f"{med(row[c]):.0f} ({min(row[c]):.0f}-{max(row[c]):.0f})" for c in ("c1", "c64")]
+            ratios = [f"{med(row[c]) / med(peer[c]):.2f}x" if peer else "-" for c in ("c1", "c64")]
             update = f"{row['update_s']:.3f}" if "update_s" in row else "-"
-            table.add_row(model, name, f"{row['c1']:.0f}", f"{row['c64']:.0f}", ratio, update)
-    Console().print(table)
+            table.add_row(model, name, *cells, *ratios, update)
+    Console(width=140).print(table)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     parity.add_argument("--tolerance", type=float, default=None, help="pass mark for |Δ logprob|")
     parity.add_argument("--learning-rate", type=float, default=1e-4, help="size of the optimizer step pushed")
     parity.add_argument("--no-fresh-engine", action="store_true", help="skip the fresh-engine comparison")
+    parity.add_argument(
+        "--weight-sync", choices=["file", "ipc"], default="file", help="ipc: the CUDA IPC fast path (GPU only)"
+    )
 
     demo = commands.add_parser("demo", help="serve the model on Ray and run a short scripted chat")
     demo.add_argument("--config", default="configs/demo.toml")
@@ -56,14 +59,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check_parity(args) -> int:
+    import os
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the report readable
+    from transformers.utils import logging as hf_logging
+
     from rlgate.parity import failures, run_parity, tolerance_for
 
+    hf_logging.disable_progress_bar()
     report = run_parity(
         args.model,
         engine=args.engine,
         dtype=args.dtype,
         learning_rate=args.learning_rate,
         fresh_engine=not args.no_fresh_engine,
+        weight_sync=args.weight_sync,
     )
     for line in report.lines():
         print(line)

@@ -47,6 +47,11 @@ class RolloutConfig(_Section):
     )
     kv_cache_gib: float = Field(1.0, gt=0, le=1024, description="vLLM on CPU: KV-cache size in GiB.")
     max_batch_size: int = Field(64, ge=1, le=4096, description="HF engine: most sequences decoded together.")
+    weight_sync: Literal["file", "ipc"] = Field(
+        "file",
+        description="How new weights reach vLLM: a safetensors file in shared memory (CPU or GPU), "
+        "or CUDA IPC (GPU, trainer and engine on the same GPU).",
+    )
 
 
 class RLGateConfig(_Section):

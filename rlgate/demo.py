@@ -42,7 +42,6 @@ def run_demo(config_path: str, max_tokens: int = 64) -> int:
     console.print(f"[green]engine ready[/]: {health['engine']} on {health['model']}, policy version {health['version']}")
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.95, seed=0).model_dump()
     messages = [{"role": "system", "content": "You are a concise, friendly assistant."}]
     summary = Table(title="scripted chat", show_lines=False)
     for column in ("turn", "prompt tokens", "completion tokens", "tokens/s", "mean logprob", "finish"):
@@ -56,6 +55,7 @@ def run_demo(config_path: str, max_tokens: int = 64) -> int:
                 TextColumn("[magenta]tokens"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
             )
             task = progress.add_task("generate", total=max_tokens)
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.95, seed=turn).model_dump()
             ids, logprobs, finish = [], [], None
             started = time.perf_counter()
             with Live(console=console, refresh_per_second=12) as live:

@@ -66,28 +66,35 @@ def run_parity(
     max_tokens: int = 24,
     learning_rate: float = 1e-4,
     fresh_engine: bool = True,
+    weight_sync: str = "file",
 ) -> ParityReport:
-    return asyncio.run(_run(model, engine, dtype, max_tokens, learning_rate, fresh_engine))
+    return asyncio.run(_run(model, engine, dtype, max_tokens, learning_rate, fresh_engine, weight_sync))
 
 
-async def _run(model_name, engine_kind, dtype, max_tokens, learning_rate, fresh_engine) -> ParityReport:
+async def _run(model_name, engine_kind, dtype, max_tokens, learning_rate, fresh_engine, weight_sync) -> ParityReport:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlgate.config import RolloutConfig
     from rlgate.engines import make_engine, resolve_engine_kind
     from rlgate.models import BUILTIN_DTYPES, prepare_model
+    from rlgate.weight_sync import FileWeightSender, IpcWeightSender
 
     kind = resolve_engine_kind(engine_kind)
+    if weight_sync == "ipc" and not (kind == "vllm" and torch.cuda.is_available()):
+        raise ValueError("--weight-sync ipc needs vLLM on a CUDA GPU")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = False  # a float32 reference, not TF32
     path = prepare_model(model_name, dtype if dtype in BUILTIN_DTYPES else "float32")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     prompts = [
         tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)["input_ids"]
         for text in PROMPTS
     ]
-    rollout = RolloutConfig(engine=kind, max_model_len=1024)
+    rollout = RolloutConfig(engine=kind, max_model_len=1024, weight_sync=weight_sync)
     engine = make_engine(path, rollout, dtype)
+    sender = (IpcWeightSender if weight_sync == "ipc" else FileWeightSender)(reference, engine)
     await engine.ready()
     try:
         before = await _sample(engine, prompts, max_tokens)
@@ -99,7 +106,7 @@ async def _run(model_name, engine_kind, dtype, max_tokens, learning_rate, fresh_
         # stale engine from an updated one would show a tiny number here.
         update_change = _max_diff(reference, prompts, before)
         started = time.perf_counter()
-        report = await engine.update_weights(reference.state_dict(), version=1)
+        report = await sender.push(version=1)
         update_seconds = time.perf_counter() - started
         after = await _sample(engine, prompts, max_tokens)
         if any(v != 1 for c in after for v in c.versions):
@@ -110,12 +117,12 @@ async def _run(model_name, engine_kind, dtype, max_tokens, learning_rate, fresh_
         await engine.shutdown()
 
     diff_fresh = None
-    notes = [f"{report.tensors} tensors pushed in place; no engine restart"]
+    notes = [f"{report.tensors} tensors pushed in place by {weight_sync}; no engine restart"]
     if fresh_engine:
         with tempfile.TemporaryDirectory(prefix="rlgate-parity-") as folder:
             reference.save_pretrained(folder, safe_serialization=True)
             tokenizer.save_pretrained(folder)
-            fresh = make_engine(folder, rollout, dtype, initial_version=1)
+            fresh = make_engine(folder, rollout.model_copy(update={"weight_sync": "file"}), dtype, initial_version=1)
             await fresh.ready()
             try:
                 again = await _sample(fresh, prompts, max_tokens)
@@ -154,7 +161,8 @@ def _reference_logprobs(model, prompt: list[int], tokens: list[int]) -> list[flo
     if not tokens:
         return []
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+        ids = torch.tensor([prompt + tokens], device=model.device)
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float().cpu()
     logprobs = torch.log_softmax(logits, dim=-1)
     return logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
 
@@ -184,7 +192,7 @@ def _greedy_agreement(model, prompts, completions) -> tuple[int, int]:
         matched = True
         for token in completion.token_ids:
             with torch.no_grad():
-                logits = model(torch.tensor([ids])).logits[0, -1].float()
+                logits = model(torch.tensor([ids], device=model.device)).logits[0, -1].float()
             top2 = torch.topk(logits, 2).values
             if int(torch.argmax(logits)) != token:
                 matched = False
@@ -202,7 +210,7 @@ def _one_optimizer_step(model, prompts, completions, learning_rate: float) -> No
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
     for prompt, completion in zip(prompts + prompts, completions):
-        sequence = torch.tensor([prompt + completion.token_ids])
+        sequence = torch.tensor([prompt + completion.token_ids], device=model.device)
         loss = model(sequence, labels=sequence).loss / len(completions)
         loss.backward()
     optimizer.step()

@@ -38,3 +38,25 @@ def test_missing_and_malformed_files(tmp_path):
     broken.write_text("[model\nname = 1")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(broken)
+
+
+def test_cluster_yaml_is_a_launcher_config_with_cpu_head_and_gpu_workers():
+    import yaml
+
+    cluster = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    types = cluster["available_node_types"]
+    head = types[cluster["head_node_type"]]
+    assert "GPU" not in head["resources"]
+    gpu_types = [t for t in types.values() if t["resources"].get("GPU", 0) > 0]
+    assert gpu_types and all(t["max_workers"] >= t["min_workers"] for t in types.values())
+    assert sum(t["max_workers"] for t in types.values()) <= cluster["max_workers"]
+    assert any("[gpu]" in command for command in cluster["setup_commands"])
+
+
+def test_readme_config_reference_lists_every_field():
+    from rlgate.config import RLGateConfig
+
+    readme = (ROOT / "README.md").read_text()
+    for section_name, section in RLGateConfig.model_fields.items():
+        for field_name in section.annotation.model_fields:
+            assert f"`{field_name}`" in readme, f"README's config reference lacks [{section_name}] {field_name}"

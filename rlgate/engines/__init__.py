@@ -67,6 +67,7 @@ def make_engine(
             tensor_parallel_size=rollout.tensor_parallel_size,
             gpu_memory_utilization=rollout.gpu_memory_utilization,
             cpu_kv_cache_gib=rollout.kv_cache_gib,
+            weight_transfer=rollout.weight_sync,
             initial_version=initial_version,
         )
     from rlgate.engines.hf import HFEngine

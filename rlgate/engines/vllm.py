@@ -86,8 +86,9 @@ class VLLMEngine(Engine):
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.5,
         cpu_kv_cache_gib: float = 1.0,
-        enforce_eager: bool = True,
+        enforce_eager: bool | None = None,
         enable_prefix_caching: bool = True,
+        weight_transfer: str = "file",
         initial_version: int = 0,
     ) -> None:
         super().__init__(model_path, max_model_len, initial_version)
@@ -109,6 +110,10 @@ class VLLMEngine(Engine):
             worker_extension_cls=_WORKER_EXTENSION,
             disable_log_stats=True,
         )
+        if weight_transfer != "file":
+            # GPU fast path: vLLM's own CUDA-IPC weight-transfer backend.
+            self._engine_kwargs["weight_transfer_config"] = {"backend": weight_transfer}
+        self.weight_transfer = weight_transfer
         self._expected = read_safetensors_specs(model_path)
         self._tied = "lm_head.weight" not in self._expected
         self._llm = None
@@ -121,6 +126,9 @@ class VLLMEngine(Engine):
         import torch
 
         kwargs = dict(self._engine_kwargs)
+        if kwargs["enforce_eager"] is None:
+            # CUDA graphs pay off on a GPU; on CPU compiling only slows start-up.
+            kwargs["enforce_eager"] = not torch.cuda.is_available()
         if not torch.cuda.is_available():
             for key, value in cpu_environment_defaults().items():
                 os.environ.setdefault(key, value)
@@ -268,6 +276,52 @@ class VLLMEngine(Engine):
     async def _after_update(self, version: int) -> None:
         await self.llm.reset_prefix_cache()
         await self.llm.update_weight_version(str(version))
+
+    # --- GPU fast path -------------------------------------------------------
+    # The trainer drives these through vLLM's trainer-side weight-transfer
+    # engine (see rlgate.weight_sync); tensors go GPU to GPU by CUDA IPC, never
+    # through a file. The same pause / reset-prefix-cache / version steps apply.
+
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        if self.weight_transfer == "file":
+            raise RuntimeError("this engine was started with weight_transfer='file'; set [rollout] weight_sync")
+        await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    async def start_weight_transfer(self) -> None:
+        await self._update_lock.acquire()
+        try:
+            await self.pause()
+        except BaseException:
+            self._update_lock.release()
+            raise
+        try:
+            await self.llm.start_weight_update()
+        except BaseException:
+            await self._end_transfer()
+            raise
+
+    async def receive_weight_transfer(self, update_info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    async def finish_weight_transfer(self, version: int) -> None:
+        try:
+            if version < self.version:
+                raise ValueError(f"version {version} is older than the served version {self.version}")
+            await self.llm.finish_weight_update()
+            self.version = version
+            await self._after_update(version)
+        finally:
+            await self._end_transfer()
+
+    async def _end_transfer(self) -> None:
+        try:
+            await self.resume()
+        finally:
+            self._update_lock.release()
 
     async def weight_checksum(self) -> float:
         return (await self.llm.collective_rpc("rlgate_weight_checksum"))[0]
