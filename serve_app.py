@@ -1,25 +1,33 @@
-"""Builds rlgate's Ray Serve application.
+"""Builds rlgate's Ray Serve application: the Gateway in front of the RolloutServer.
 
-    serve run serve_app:app                      # config from $RLGATE_CONFIG or configs/serve.toml
-    python serve_app.py --config configs/serve.toml
+    python serve_app.py --config configs/serve.toml [--host 127.0.0.1] [--port 8000]
+    serve run serve_app:app                  # config from $RLGATE_CONFIG or configs/serve.toml
 
-Today the application is the RolloutServer deployment (one engine per
-replica); the session gateway is bound in front of it as its ingress.
+The admin key comes from ``RLGATE_ADMIN_KEY``; without it a random key is
+generated and printed once. A weak key is refused off loopback.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import secrets
+import sys
 from pathlib import Path
 
 from ray.serve import Application
 
+from actors.gateway import Gateway
 from actors.rollout_server import RolloutServer
 from rlgate.config import RLGateConfig, load_config
 from rlgate.models import BUILTIN_DTYPES, prepare_model
+from rlgate.sessions import hash_key
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "serve.toml"
+# Keys published in other projects' docs and examples: never acceptable off loopback.
+KNOWN_WEAK_KEYS = {"areal-admin-key", "admin", "changeme", "password", "secret", "test", "sk-test"}
+MIN_KEY_LENGTH = 16
 
 
 def resolve_model(config: RLGateConfig) -> str:
@@ -28,17 +36,62 @@ def resolve_model(config: RLGateConfig) -> str:
     return str(prepare_model(config.model.name, storage))
 
 
-def build_app(config: RLGateConfig, initial_version: int = 0) -> Application:
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def admin_key(host: str) -> tuple[str, bool]:
+    """The admin key and whether it was generated. Refuses a weak key off loopback."""
+    key = os.environ.get("RLGATE_ADMIN_KEY")
+    if not key:
+        return "rlg-admin-" + secrets.token_urlsafe(24), True
+    if not is_loopback(host) and (key in KNOWN_WEAK_KEYS or len(key) < MIN_KEY_LENGTH):
+        raise SystemExit(
+            f"rlgate: refusing to bind {host} with a weak RLGATE_ADMIN_KEY (a published default or under "
+            f"{MIN_KEY_LENGTH} characters); set a long random key, e.g. `openssl rand -hex 32`"
+        )
+    return key, False
+
+
+def _settings(config: RLGateConfig) -> dict:
+    settings = config.model_dump()
+    # Actors run with another working directory: give them an absolute run folder.
+    settings["gateway"]["run_dir"] = str(Path(config.gateway.run_dir, config.gateway.run_name).resolve())
+    return settings
+
+
+def build_rollout_app(config: RLGateConfig, initial_version: int = 0) -> Application:
+    """The RolloutServer deployment alone (no HTTP): engines behind a Serve handle."""
     rollout = config.rollout
     return RolloutServer.options(
         num_replicas=rollout.replicas,
         ray_actor_options={"num_cpus": rollout.num_cpus, "num_gpus": rollout.num_gpus},
-    ).bind(config.model_dump(), resolve_model(config), initial_version)
+    ).bind(_settings(config), resolve_model(config), initial_version)
+
+
+def build_app(config: RLGateConfig, admin_key_hash: str, initial_version: int = 0) -> Application:
+    """The Gateway (HTTP ingress) in front of the RolloutServer deployment."""
+    engines = build_rollout_app(config, initial_version)
+    return Gateway.options(ray_actor_options={"num_cpus": 0}).bind(
+        engines, _settings(config), resolve_model(config), admin_key_hash
+    )
 
 
 def app_builder(args: dict) -> Application:
     """Entry point for ``serve run serve_app:app`` and Serve YAML ``import_path``."""
-    return build_app(load_config(args.get("config") or os.environ.get("RLGATE_CONFIG") or DEFAULT_CONFIG))
+    config = load_config(args.get("config") or os.environ.get("RLGATE_CONFIG") or DEFAULT_CONFIG)
+    key, generated = admin_key(config.gateway.host)
+    if generated:
+        print(f"rlgate: admin key (shown once): {key}", file=sys.stderr, flush=True)
+    return build_app(config, hash_key(key))
+
+
+app = app_builder
 
 
 def main() -> None:
@@ -48,21 +101,29 @@ def main() -> None:
     import ray
     from ray import serve
 
-    parser = argparse.ArgumentParser(description="Run rlgate's Serve application until interrupted.")
+    parser = argparse.ArgumentParser(description="Run rlgate's gateway and rollout engines until interrupted.")
     parser.add_argument("--config", default=str(DEFAULT_CONFIG))
+    parser.add_argument("--host", help="bind address (default: [gateway] host)")
+    parser.add_argument("--port", type=int, help="port (default: [gateway] port)")
     args = parser.parse_args()
     config = load_config(args.config)
+    host = args.host or config.gateway.host
+    port = args.port or config.gateway.port
+    config.gateway.host, config.gateway.port = host, port
+    key, generated = admin_key(host)
+
     ray.init(address=os.environ.get("RAY_ADDRESS"))
-    handle = serve.run(build_app(config), name="rlgate", route_prefix=None)
-    print(f"rlgate: RolloutServer ready: {handle.health.remote().result()}", flush=True)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(config, hash_key(key)), name="rlgate", route_prefix="/")
+    url = f"http://{host}:{port}"
+    print(f"rlgate: serving {config.served_model_name} at {url} (OpenAI base URL {url}/v1)", flush=True)
+    if generated:
+        print(f"rlgate: admin key (shown once; set RLGATE_ADMIN_KEY to choose it): {key}", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop.wait()
     serve.shutdown()
-
-
-app = app_builder
 
 
 if __name__ == "__main__":

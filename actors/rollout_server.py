@@ -3,11 +3,14 @@
 Created by ``serve_app.build_app`` with ``[rollout] replicas`` replicas.
 Called by the Gateway (``generate``, through a streaming handle) and by the
 trainer (``update_weights``, ``pause``/``resume``, ``version``).
-Owns: one :class:`rlgate.engines.Engine` (vLLM or HF) and its policy version.
+Owns: one :class:`rlgate.engines.Engine` (vLLM or HF) and its policy version,
+and, when ``[rollout] request_log_size`` > 0, a bounded log of the last
+requests exactly as the engine saw and answered them (for audits and tests).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict
 
@@ -28,12 +31,27 @@ class RolloutServer:
     async def __init__(self, config: dict, model_path: str, initial_version: int = 0) -> None:
         settings = RLGateConfig.model_validate(config)
         self.engine: Engine = make_engine(model_path, settings.rollout, settings.model.dtype, initial_version)
+        self.request_log: deque = deque(maxlen=settings.rollout.request_log_size)
         await self.engine.ready()
 
     async def generate(self, prompt_ids: list[int], params: dict) -> AsyncIterator[TokenChunk]:
         """Stream :class:`TokenChunk` deltas; call with ``handle.options(stream=True)``."""
-        async for chunk in self.engine.generate(prompt_ids, SamplingParams.model_validate(params)):
+        sampling = SamplingParams.model_validate(params)
+        outputs: dict[int, dict] = {}
+        async for chunk in self.engine.generate(prompt_ids, sampling):
+            if self.request_log.maxlen:
+                out = outputs.setdefault(chunk.index, {"token_ids": [], "logprobs": [], "versions": []})
+                out["token_ids"] += chunk.token_ids
+                out["logprobs"] += chunk.logprobs
+                out["versions"] += chunk.versions
             yield chunk
+        if self.request_log.maxlen:
+            self.request_log.append({"prompt_ids": list(prompt_ids), "outputs": [outputs[i] for i in sorted(outputs)]})
+
+    async def recent_requests(self, count: int = 16) -> list[dict]:
+        """The last ``count`` finished requests: prompt ids and each output's ids,
+        logprobs and versions, as the engine produced them (oldest first)."""
+        return list(self.request_log)[-count:]
 
     async def update_weights(self, weights: Mapping | str, version: int) -> dict:
         """Load a full state dict (or a safetensors path on this node) and serve ``version``."""

@@ -47,6 +47,9 @@ class RolloutConfig(_Section):
     )
     kv_cache_gib: float = Field(1.0, gt=0, le=1024, description="vLLM on CPU: KV-cache size in GiB.")
     max_batch_size: int = Field(64, ge=1, le=4096, description="HF engine: most sequences decoded together.")
+    request_log_size: int = Field(
+        0, ge=0, le=100_000, description="Keep the last N requests as the engine saw them (0: off)."
+    )
     weight_sync: Literal["file", "ipc"] = Field(
         "file",
         description="How new weights reach vLLM: a safetensors file in shared memory (CPU or GPU), "
@@ -54,9 +57,44 @@ class RolloutConfig(_Section):
     )
 
 
+class GatewayConfig(_Section):
+    host: str = Field("127.0.0.1", min_length=1, description="Address the HTTP server binds.")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
+    run_name: str = Field(
+        "default", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Names the run folder and the run's named actors."
+    )
+    run_dir: str = Field("runs", min_length=1, description="Parent folder of run folders (trajectories, checkpoints).")
+    served_model_name: str | None = Field(None, description="Model name clients use; default: [model] name.")
+    model_aliases: list[str] = Field(default_factory=list, description="Other accepted model names.")
+    strict_model: bool = Field(
+        True, description="Refuse unknown model names (404); false ignores the field, as AReaL's gateway does."
+    )
+    max_concurrent: int = Field(64, ge=1, le=100_000, description="Most sessions open at once.")
+    session_timeout_s: float = Field(3600.0, gt=0, description="Idle sessions are ended and exported after this.")
+    refresh_timeout_s: float = Field(120.0, ge=0, description="How long a refresh waits for capacity.")
+    turn_discount: float = Field(1.0, ge=0, le=1, description="Reward discount per turn, propagated backwards.")
+    export_style: Literal["individual", "concat"] = Field(
+        "individual", description="individual: a sample per completion; concat: a sample per conversation branch."
+    )
+    tool_parser: Literal["auto", "hermes", "none"] = Field(
+        "auto", description="Tool-call format; auto detects it from the chat template."
+    )
+    max_body_bytes: int = Field(4 * 2**20, ge=1024, description="Largest request body (413 beyond).")
+    max_messages: int = Field(1024, ge=1, description="Most messages in one chat request.")
+    max_n: int = Field(16, ge=1, le=128, description="Most choices per request.")
+    max_completion_tokens: int = Field(
+        4096, ge=1, description="Largest max_tokens a request may ask for (the context still caps it)."
+    )
+
+
 class RLGateConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+
+    @property
+    def served_model_name(self) -> str:
+        return self.gateway.served_model_name or self.model.name
 
 
 def load_config(path: str | Path) -> RLGateConfig:

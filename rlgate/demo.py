@@ -29,7 +29,7 @@ def run_demo(config_path: str, max_tokens: int = 64) -> int:
 
     from rlgate.config import load_config
     from rlgate.engines import SamplingParams
-    from serve_app import build_app, resolve_model
+    from serve_app import build_rollout_app, resolve_model
 
     console = Console()
     config = load_config(config_path)
@@ -37,7 +37,7 @@ def run_demo(config_path: str, max_tokens: int = 64) -> int:
         model_path = resolve_model(config)
     with console.status(f"Starting Ray and a {config.rollout.engine} rollout engine (about 30 s on CPU)"):
         ray.init(include_dashboard=False, log_to_driver=False)
-        handle = serve.run(build_app(config), name="rlgate-demo", route_prefix=None)
+        handle = serve.run(build_rollout_app(config), name="rlgate-demo", route_prefix=None)
         health = handle.health.remote().result()
     console.print(f"[green]engine ready[/]: {health['engine']} on {health['model']}, policy version {health['version']}")
 

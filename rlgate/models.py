@@ -233,6 +233,81 @@ def build_tiny_random(folder: Path, dtype: str) -> None:
     tokenizer.save_pretrained(folder)
 
 
+# --- tiny-tools ---------------------------------------------------------------
+
+CALCULATOR_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
+# The problems tiny-tools learns; for each it calls the calculator, then answers.
+TOOL_PROBLEMS = ["6 * 7", "12 + 30", "9 - 4", "8 * 8", "15 + 27", "100 - 1", "3 * 14", "20 + 22"]
+
+
+def tool_episode(expression: str) -> list[tuple[list[dict], str]]:
+    """The two turns of a calculator episode: (messages so far, what the assistant writes)."""
+    import json
+
+    result = str(eval(expression, {"__builtins__": {}}))  # the fixed problems above only
+    question = [{"role": "user", "content": f"What is {expression}?"}]
+    arguments = json.dumps({"expression": expression})
+    call = f'<tool_call>{{"name": "calculator", "arguments": {arguments}}}</tool_call>'
+    called = {"role": "assistant", "content": None,
+              "tool_calls": [{"id": "call_0", "type": "function",
+                              "function": {"name": "calculator", "arguments": arguments}}]}
+    answered = question + [called, {"role": "tool", "tool_call_id": "call_0", "content": result}]
+    return [(question, call), (answered, f"The answer is {result}.")]
+
+
+def build_tiny_tools(folder: Path, dtype: str) -> None:
+    """tiny-random trained for a few seconds to use a calculator tool: asked
+    "What is 6 * 7?" with the calculator tool, greedy decoding calls it in the
+    Hermes format; given the result, it answers. For tests and demos of real
+    multi-turn tool calling through the engines."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    build_tiny_random(folder, "float32")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    examples = []
+    for expression in TOOL_PROBLEMS:
+        for messages, reply in tool_episode(expression):
+            prompt = tokenizer.apply_chat_template(messages, tools=[CALCULATOR_TOOL], add_generation_prompt=True,
+                                                   tokenize=False)
+            examples.append((tokenizer.encode(prompt), tokenizer.encode(reply + tokenizer.eos_token)))
+    width = max(len(p) + len(t) for p, t in examples)
+    ids = torch.zeros(len(examples), width, dtype=torch.long)
+    labels = torch.full((len(examples), width), -100)
+    mask = torch.zeros(len(examples), width, dtype=torch.long)
+    for row, (prompt, target) in enumerate(examples):
+        ids[row, : len(prompt) + len(target)] = torch.tensor(prompt + target)
+        labels[row, len(prompt) : len(prompt) + len(target)] = torch.tensor(target)
+        mask[row, : len(prompt) + len(target)] = 1
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    for _ in range(200):
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        for prompt, target in examples:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=len(target), do_sample=False)
+            if out[0, len(prompt) :].tolist() != target:
+                raise RuntimeError("tiny-tools did not learn its episodes; the build is not usable")
+    model.to(getattr(torch, dtype)).save_pretrained(folder, safe_serialization=True)
+
+
 # --- smollm2-135m-instruct --------------------------------------------------
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -276,7 +351,8 @@ def build_smollm2(folder: Path, dtype: str) -> None:
 
 BUILTINS: dict[str, Callable[[Path, str], None]] = {
     "tiny-random": build_tiny_random,
+    "tiny-tools": build_tiny_tools,
     "smollm2-135m-instruct": build_smollm2,
 }
 # Bump when a builder's output changes, so stale caches are rebuilt.
-_BUILD_VERSION = {"tiny-random": "v1", "smollm2-135m-instruct": "v2"}
+_BUILD_VERSION = {"tiny-random": "v1", "tiny-tools": "v1", "smollm2-135m-instruct": "v2"}

@@ -5,6 +5,8 @@ suite fast)."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -90,11 +92,70 @@ def reference_model(tiny_path):
 
 @pytest.fixture(scope="session")
 def ray_session():
-    import ray
+    """One local Ray cluster with Serve's HTTP proxy on a free loopback port."""
+    import socket
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
+    import ray
     from ray import serve
 
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    ray.serve_url = f"http://127.0.0.1:{port}"
+    yield ray
     serve.shutdown()
     ray.shutdown()
+
+
+@dataclass
+class GatewayApp:
+    """A running gateway application: its base URL (the app root), admin key,
+    settings, run folder, and a handle to its RolloutServer."""
+
+    name: str
+    url: str
+    admin_key: str
+    config: object
+    run_dir: Path
+    rollout: object
+
+    @property
+    def admin(self) -> dict:
+        return {"Authorization": f"Bearer {self.admin_key}"}
+
+    def start_session(self, task_id: str = "task", **body) -> dict:
+        import httpx
+
+        response = httpx.post(f"{self.url}/rl/start_session", json={"task_id": task_id, **body}, headers=self.admin)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def trajectories(self, since: int = 0) -> list[dict]:
+        import json
+
+        import httpx
+
+        response = httpx.get(f"{self.url}/rl/trajectories", params={"since": since}, headers=self.admin)
+        assert response.status_code == 200, response.text
+        return [json.loads(line) for line in response.text.splitlines()]
+
+
+def start_gateway(ray_session, tmp_path_factory, name: str, settings: dict) -> GatewayApp:
+    """Deploy a gateway app under ``/<name>`` on the shared Serve proxy."""
+    import secrets
+
+    from ray import serve
+
+    from rlgate.config import parse_config
+    from rlgate.sessions import hash_key
+    from serve_app import build_app
+
+    run_root = tmp_path_factory.mktemp(name)
+    settings = {**settings, "gateway": {"run_dir": str(run_root), "run_name": name, **settings.get("gateway", {})}}
+    config = parse_config(settings)
+    admin_key = "test-admin-" + secrets.token_hex(16)
+    serve.run(build_app(config, hash_key(admin_key)), name=name, route_prefix=f"/{name}")
+    rollout = serve.get_deployment_handle("RolloutServer", app_name=name)
+    return GatewayApp(name, f"{ray_session.serve_url}/{name}", admin_key, config, run_root / name, rollout)

@@ -19,9 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def rollout(ray_session):
     from ray import serve
 
-    from serve_app import build_app
+    from serve_app import build_rollout_app
 
-    handle = serve.run(build_app(load_config(ROOT / "configs" / "tiny.toml")), name="rollout-test", route_prefix=None)
+    config = load_config(ROOT / "configs" / "tiny.toml")
+    handle = serve.run(build_rollout_app(config), name="rollout-test", route_prefix=None)
     yield handle
     serve.delete("rollout-test")
 

@@ -1,0 +1,112 @@
+"""CapacityActor: the policy version and staleness-bounded session admission.
+
+Created by ``serve_app`` (or ``train_driver``) as one named detached actor
+through :func:`get_or_create_capacity`, so it outlives the driver that made it
+and every part finds the same one by name.
+Called by the Gateway (``acquire`` when a session opens, ``release`` when it
+ends) and by the trainer (``grant`` when it attaches, ``on_new_version`` after
+publishing weights, ``detach`` when it leaves).
+Owns: the :class:`rlgate.capacity.CapacityRule`, the ``running``, ``accepted``
+and ``rejected`` counters and the policy ``version``. The state lives in memory
+only: a restarted actor would not know which sessions are open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict, replace
+
+import ray
+
+from rlgate.capacity import CapacityRule, CapacityStats, free_slots
+
+
+# num_cpus=0: pure bookkeeping; it must never wait for a CPU on a packed cluster.
+@ray.remote(num_cpus=0)
+class CapacityActor:
+    def __init__(self, max_concurrent: int) -> None:
+        self.rule = CapacityRule(max_concurrent=max_concurrent)
+        self.running = 0
+        self.accepted = 0
+        self.rejected = 0
+        self.version = 0
+        # Notified on every change that can free a slot (release, new version, new settings).
+        self._changed = asyncio.Condition()
+
+    def _free(self) -> int:
+        return free_slots(self.rule, self.running, self.accepted, self.version)
+
+    async def acquire(self, timeout_s: float = 0.0) -> bool:
+        """Take one slot, waiting up to ``timeout_s`` for one; False (a rejection) on timeout."""
+        if timeout_s < 0:
+            raise ValueError(f"timeout_s must be >= 0 (got {timeout_s})")
+        async with self._changed:
+            if self._free() == 0 and timeout_s > 0:
+                try:
+                    await asyncio.wait_for(self._changed.wait_for(lambda: self._free() > 0), timeout_s)
+                except asyncio.TimeoutError:  # the builtin TimeoutError only from Python 3.11
+                    pass  # decided below: still no slot
+            if self._free() == 0:
+                self.rejected += 1
+                return False
+            self.running += 1
+            return True
+
+    async def release(self, accepted: bool) -> None:
+        """A session ended; ``accepted`` when its trajectory was finished and exported."""
+        async with self._changed:
+            if self.running == 0:
+                raise ValueError("release without a running session (running is 0)")
+            self.running -= 1
+            self.accepted += int(accepted)
+            self._changed.notify_all()
+
+    async def grant(self, batch_size: int, max_staleness: int) -> None:
+        """A trainer attaches (or changes its settings): admit by the staleness rule."""
+        await self._set_rule(batch_size=batch_size, max_staleness=max_staleness)
+
+    async def detach(self) -> None:
+        """The trainer left: admit by ``max_concurrent`` only."""
+        await self._set_rule(batch_size=None, max_staleness=0)
+
+    async def set_max_concurrent(self, n: int) -> None:
+        await self._set_rule(max_concurrent=n)
+
+    async def on_new_version(self, version: int) -> None:
+        """The trainer published weights of ``version``; versions never go backwards."""
+        async with self._changed:
+            if version < self.version:
+                raise ValueError(f"policy version cannot go backwards: {self.version} -> {version}")
+            self.version = version
+            self._changed.notify_all()
+
+    async def stats(self) -> dict:
+        rule = self.rule
+        return asdict(
+            CapacityStats(
+                running=self.running,
+                accepted=self.accepted,
+                rejected=self.rejected,
+                version=self.version,
+                max_concurrent=rule.max_concurrent,
+                batch_size=rule.batch_size,
+                max_staleness=rule.max_staleness,
+                free=self._free(),
+            )
+        )
+
+    async def _set_rule(self, **changes) -> None:
+        async with self._changed:
+            self.rule = replace(self.rule, **changes)  # validated by CapacityRule
+            self._changed.notify_all()
+
+
+def get_or_create_capacity(name: str, namespace: str | None, max_concurrent: int):
+    """The named detached CapacityActor, created with ``max_concurrent`` if it does not exist.
+
+    An existing actor keeps its settings and counters; call ``set_max_concurrent``
+    to change them.
+    """
+    return CapacityActor.options(
+        name=name, namespace=namespace, lifetime="detached", get_if_exists=True
+    ).remote(max_concurrent)

@@ -1,0 +1,516 @@
+"""Gateway: the HTTP API (FastAPI ingress on Ray Serve), stateless and scalable.
+
+Created by ``serve_app.build_app`` in front of the RolloutServer deployment.
+Called by agents (OpenAI routes with a session key), operators (session
+routes and status with the admin key) and task apps. On start it gets or
+creates the run's named actors (CapacityActor, TrajectoryStore, SessionStore).
+Owns nothing durable: a tokenizer and chat renderer, and handles.
+
+Token-in, token-out: prompts are rendered to ids here, the engine returns ids,
+and the ids are recorded as they were, with their logprobs and versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from openai.types import Completion, CompletionChoice, CompletionUsage, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
+from openai.types.chat.chat_completion import Choice, ChoiceLogprobs
+from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceDelta, ChoiceDeltaToolCall, ChoiceDeltaToolCallFunction
+from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkLogprobs
+from openai.types.chat.chat_completion_message_tool_call import ChatCompletionMessageToolCall, Function
+from openai.types.completion_choice import Logprobs
+from ray import serve
+from ray.exceptions import RayActorError, RayTaskError
+
+from actors.capacity import get_or_create_capacity
+from actors.session_store import SessionStore
+from actors.trajectory_store import TrajectoryStore
+from rlgate import api
+from rlgate.chat import ChatRenderer, exchange_keys, extend_key
+from rlgate.config import RLGateConfig
+from rlgate.engines import SamplingParams
+from rlgate.engines.base import EngineInputError
+from rlgate.openai_format import TextStream, TokenText, chat_logprobs, visible_text
+from rlgate.sessions import SessionError, hash_key, new_session_key, same_secret
+from rlgate.toolcalls import detect_parser, get_parser
+from rlgate.trajectory import Interaction
+
+NAMESPACE = "rlgate"
+app = FastAPI(title="rlgate gateway", description="OpenAI-compatible session gateway for online RL.")
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.retry_after = status, message, param, retry_after
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                409: "conflict_error", 410: "gone_error", 413: "invalid_request_error",
+                422: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def error_response(status: int, message: str, param: str | None = None, retry_after: float | None = None):
+    """OpenAI's error shape, so SDKs raise the right exception with our message."""
+    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": status}}
+    headers = {"Retry-After": str(int(retry_after + 0.999))} if retry_after is not None else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+@app.exception_handler(HTTPError)
+async def _http_error(_, err: HTTPError):
+    return error_response(err.status, err.message, err.param, err.retry_after)
+
+
+@app.exception_handler(SessionError)
+async def _session_error(_, err: SessionError):
+    return error_response(err.status, err.message, retry_after=err.retry_after)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_, err: RequestValidationError):
+    first = err.errors()[0]
+    where = ".".join(str(part) for part in first["loc"] if part != "body")
+    if first["type"] == "json_invalid":
+        return error_response(422, f"the body is not valid JSON: {first['msg']}")
+    return error_response(422, f"{where or 'body'}: {first['msg']}", param=where or None)
+
+
+@app.middleware("http")
+async def _limit_body(request: Request, call_next):
+    limit = request.app.state.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return error_response(413, f"request body of {declared} bytes exceeds the {limit}-byte limit")
+    return await call_next(request)
+
+
+app.state.max_body_bytes = 4 * 2**20
+
+
+def _cause(err: BaseException) -> BaseException:
+    return err.cause if isinstance(err, RayTaskError) else err
+
+
+def _bearer(authorization: str | None) -> str:
+    if not authorization:
+        raise HTTPError(401, "missing API key: send the header 'Authorization: Bearer <key>'")
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise HTTPError(401, "malformed Authorization header: expected 'Bearer <key>'")
+    return token.strip()
+
+
+# Helpers used by the Gateway's methods are defined before the class: Serve's
+# ingress decorator serialises the class as soon as it is defined.
+
+
+def _choice_id(completion_id: str, index: int) -> str:
+    """The interaction id of a choice: the completion id for the first (so
+    ``set_reward(interaction_id=completion.id)`` works), suffixed for others."""
+    return completion_id if index == 0 else f"{completion_id}-{index}"
+
+
+async def _collect(chunks: AsyncIterator, n: int):
+    from rlgate.engines.base import Completion as EngineCompletion
+
+    out = [EngineCompletion(index=i) for i in range(n)]
+    async for chunk in chunks:
+        target = out[chunk.index]
+        target.token_ids += chunk.token_ids
+        target.logprobs += chunk.logprobs
+        target.versions += chunk.versions
+        if chunk.top_logprobs is not None:
+            target.top_logprobs = (target.top_logprobs or []) + chunk.top_logprobs
+        if chunk.finish_reason is not None:
+            target.finish_reason, target.stop_reason = chunk.finish_reason, chunk.stop_reason
+    return out
+
+
+class _Turn:
+    """One chat completion request: generate, shape the answer, record the interactions."""
+
+    def __init__(self, gateway: Gateway, request, session_id, prompt_ids, parent_id, messages_key, use_tools):
+        self.g, self.request = gateway, request
+        self.session_id, self.prompt_ids, self.parent_id = session_id, prompt_ids, parent_id
+        self.messages_key, self.use_tools = messages_key, use_tools
+        self.id = "chatcmpl-" + secrets.token_hex(12)
+        self.created = int(time.time())
+
+    def _answer(self, text: str):
+        """(content, tool calls) as returned to the client."""
+        if not self.use_tools:
+            return text, []
+        parsed = self.g.tool_parser.parse(text)
+        return parsed.content, parsed.tool_calls
+
+    def _interaction(self, completion, content, calls) -> Interaction:
+        message = {"role": "assistant", "content": content,
+                   "tool_calls": [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+        return Interaction(
+            id=_choice_id(self.id, completion.index), prompt_ids=self.prompt_ids,
+            completion_ids=completion.token_ids, logprobs=completion.logprobs, versions=completion.versions,
+            finish_reason=completion.finish_reason, parent=self.parent_id,
+            key=extend_key(self.messages_key, message),
+        )
+
+    def _finish_reason(self, completion, calls) -> str:
+        if calls:
+            return "tool_calls"
+        return "length" if completion.finish_reason == "length" else "stop"
+
+    async def complete(self, params: SamplingParams) -> ChatCompletion:
+        completions = await _collect(self.g._generate(self.prompt_ids, params), params.n)
+        choices, interactions = [], []
+        for c in completions:
+            content, calls = self._answer(visible_text(self.g.tokenizer, c.token_ids, c.stop_reason))
+            interactions.append(self._interaction(c, content, calls))
+            logprobs = None
+            if self.request.logprobs:
+                logprobs = ChoiceLogprobs(content=chat_logprobs(self.g.text_of, c.token_ids, c.logprobs,
+                                                                c.top_logprobs))
+            message = ChatCompletionMessage(
+                role="assistant", content=content,
+                tool_calls=[ChatCompletionMessageToolCall(id=t.id, type="function",
+                                                          function=Function(name=t.name, arguments=t.arguments))
+                            for t in calls] or None,
+            )
+            choices.append(Choice(index=c.index, message=message, finish_reason=self._finish_reason(c, calls),
+                                  logprobs=logprobs))
+        await self.g._call(self.g.sessions.record.remote(self.session_id, interactions))
+        generated = sum(len(c.token_ids) for c in completions)
+        return ChatCompletion(
+            id=self.id, object="chat.completion", created=self.created, model=self.request.model, choices=choices,
+            usage=CompletionUsage(prompt_tokens=len(self.prompt_ids), completion_tokens=generated,
+                                  total_tokens=len(self.prompt_ids) + generated),
+        )
+
+    def _chunk(self, choices, usage=None) -> str:
+        chunk = ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
+                                    model=self.request.model, choices=choices, usage=usage)
+        return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+
+    async def stream(self, params: SamplingParams) -> AsyncIterator[str]:
+        """Server-sent events: text as tokens arrive, tool calls once complete,
+        the interactions recorded before the usage chunk and ``[DONE]``."""
+        from rlgate.engines.base import Completion as EngineCompletion
+
+        n = params.n
+        texts = [TextStream(self.g.tokenizer, list(params.stop)) for _ in range(n)]
+        calls_stream = [self.g.tool_parser.stream() if self.use_tools else None for _ in range(n)]
+        done = [EngineCompletion(index=i) for i in range(n)]
+        sent = [""] * n  # content already streamed, per choice
+        try:
+            for i in range(n):
+                yield self._chunk([ChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=""))])
+            async for chunk in self.g._generate(self.prompt_ids, params):
+                i, target = chunk.index, done[chunk.index]
+                target.token_ids += chunk.token_ids
+                target.logprobs += chunk.logprobs
+                target.versions += chunk.versions
+                if chunk.top_logprobs is not None:
+                    target.top_logprobs = (target.top_logprobs or []) + chunk.top_logprobs
+                text = texts[i].push(chunk.token_ids)
+                if chunk.finish_reason is not None:
+                    target.finish_reason, target.stop_reason = chunk.finish_reason, chunk.stop_reason
+                    text += texts[i].finish(chunk.stop_reason)
+                pieces = calls_stream[i].feed(text) if calls_stream[i] else [text]
+                logprobs = None
+                if self.request.logprobs:
+                    logprobs = ChunkLogprobs(content=chat_logprobs(self.g.text_of, chunk.token_ids, chunk.logprobs,
+                                                                   chunk.top_logprobs))
+                content = "".join(pieces)
+                sent[i] += content
+                if content or logprobs:
+                    yield self._chunk([ChunkChoice(index=i, delta=ChoiceDelta(content=content), logprobs=logprobs)])
+            interactions = []
+            for i, completion in enumerate(done):
+                if calls_stream[i]:
+                    parsed = calls_stream[i].finish()
+                    content, calls = parsed.content, parsed.tool_calls
+                    rest = (content or "")[len(sent[i]) :]  # text the parser held back until the end
+                    if rest:
+                        yield self._chunk([ChunkChoice(index=i, delta=ChoiceDelta(content=rest))])
+                else:
+                    content, calls = visible_text(self.g.tokenizer, completion.token_ids, completion.stop_reason), []
+                interactions.append(self._interaction(completion, content, calls))
+                if calls:
+                    yield self._chunk([ChunkChoice(index=i, delta=ChoiceDelta(tool_calls=[
+                        ChoiceDeltaToolCall(index=k, id=t.id, type="function",
+                                            function=ChoiceDeltaToolCallFunction(name=t.name, arguments=t.arguments))
+                        for k, t in enumerate(calls)]))])
+                yield self._chunk([ChunkChoice(index=i, delta=ChoiceDelta(),
+                                               finish_reason=self._finish_reason(completion, calls))])
+            await self.g._call(self.g.sessions.record.remote(self.session_id, interactions))
+            generated = sum(len(c.token_ids) for c in done)
+            yield self._chunk([], usage=CompletionUsage(prompt_tokens=len(self.prompt_ids),
+                                                        completion_tokens=generated,
+                                                        total_tokens=len(self.prompt_ids) + generated))
+            yield "data: [DONE]\n\n"
+        except (HTTPError, SessionError) as err:
+            status = err.status
+            body = {"error": {"message": err.message, "type": _ERROR_TYPES.get(status, "server_error"),
+                              "code": status}}
+            yield f"data: {json.dumps(body)}\n\n"
+
+
+@serve.deployment(name="Gateway", max_ongoing_requests=2048, health_check_period_s=10)
+@serve.ingress(app)
+class Gateway:
+    def __init__(self, rollout, config: dict, model_path: str, admin_key_hash: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.settings = RLGateConfig.model_validate(config)
+        gateway = self.settings.gateway
+        app.state.max_body_bytes = gateway.max_body_bytes
+        self.rollout = rollout
+        self.admin_key_hash = admin_key_hash
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.renderer = ChatRenderer(self.tokenizer) if self.tokenizer.chat_template else None
+        self.text_of = TokenText(self.tokenizer)
+        parser = gateway.tool_parser
+        if parser == "auto":
+            parser = detect_parser(self.tokenizer.chat_template)
+        self.tool_parser = get_parser(parser) if parser not in (None, "none") else None
+        self.model_names = [self.settings.served_model_name, *gateway.model_aliases, "default"]
+        run = f"rlgate-{gateway.run_name}"
+        self.capacity = get_or_create_capacity(f"{run}-capacity", NAMESPACE, gateway.max_concurrent)
+        self.trajectories = TrajectoryStore.options(
+            name=f"{run}-trajectories", namespace=NAMESPACE, lifetime="detached", get_if_exists=True
+        ).remote(config["gateway"]["run_dir"])
+        self.sessions = SessionStore.options(
+            name=f"{run}-sessions", namespace=NAMESPACE, lifetime="detached", get_if_exists=True
+        ).remote(self.capacity, self.trajectories, gateway.model_dump())
+
+    # --- auth ----------------------------------------------------------------
+
+    def _is_admin(self, key: str) -> bool:
+        return same_secret(hash_key(key), self.admin_key_hash)
+
+    def _admin(self, authorization: str | None) -> None:
+        if not self._is_admin(_bearer(authorization)):
+            raise HTTPError(401, "this route needs the admin key")
+
+    def _session_key(self, authorization: str | None) -> str:
+        key = _bearer(authorization)
+        if self._is_admin(key):
+            raise HTTPError(400, "the admin key is not a session key; use the api_key from /rl/start_session")
+        return hash_key(key)
+
+    async def _call(self, ref):
+        """Await an actor call, turning its SessionError into the HTTP answer."""
+        try:
+            return await ref
+        except RayTaskError as err:
+            cause = _cause(err)
+            if isinstance(cause, SessionError):
+                raise cause from None
+            raise
+        except RayActorError as err:
+            raise HTTPError(503, f"session service unavailable: {err.__class__.__name__}; retry") from None
+
+    # --- health and status ---------------------------------------------------
+
+    @app.get("/health")
+    async def health(self):
+        try:
+            engine = await asyncio.wait_for(self.rollout.health.remote(), timeout=10)
+        except Exception as err:  # any failure to answer means not ready
+            return error_response(503, f"rollout engine not ready: {err.__class__.__name__}")
+        return {"status": "ok", "workers": self.settings.rollout.replicas, "policy_version": engine["version"]}
+
+    @app.get("/rl/status")
+    async def status(self, authorization: str | None = Header(None)):
+        self._admin(authorization)
+        sessions, capacity, trajectories, engine = await asyncio.gather(
+            self.sessions.stats.remote(), self.capacity.stats.remote(), self.trajectories.stats.remote(),
+            self.rollout.health.remote(),
+        )
+        return {"status": "ok", "workers": self.settings.rollout.replicas, "policy_version": engine["version"],
+                "engine": engine, "sessions": sessions, "capacity": capacity, "trajectories": trajectories}
+
+    # --- session routes (AReaL-compatible) -----------------------------------
+
+    @app.post("/rl/start_session", response_model=api.StartSessionResponse)
+    async def start_session(self, body: api.StartSessionRequest, authorization: str | None = Header(None)):
+        self._admin(authorization)
+        if body.api_key is not None:
+            if self._is_admin(body.api_key):
+                raise HTTPError(400, "api_key must be a session key, not the admin key", param="api_key")
+            key_hash = hash_key(body.api_key)
+            session_id = await self._call(self.sessions.start.remote(body.task_id, key_hash, key_hash))
+            return api.StartSessionResponse(session_id=session_id, api_key=body.api_key)
+        key = new_session_key()
+        session_id = await self._call(self.sessions.start.remote(body.task_id, hash_key(key)))
+        return api.StartSessionResponse(session_id=session_id, api_key=key)
+
+    @app.post("/rl/set_reward", response_model=api.SetRewardResponse)
+    async def set_reward(self, body: api.SetRewardRequest, authorization: str | None = Header(None)):
+        key_hash = self._session_key(authorization)
+        interaction_id = await self._call(self.sessions.set_reward.remote(key_hash, body.reward, body.interaction_id))
+        return api.SetRewardResponse(message="reward set", interaction_id=interaction_id)
+
+    @app.post("/rl/end_session", response_model=api.EndSessionResponse)
+    async def end_session(self, authorization: str | None = Header(None)):
+        key_hash = self._session_key(authorization)
+        count = await self._call(self.sessions.end.remote(key_hash))
+        return api.EndSessionResponse(message="session ended; trajectory saved", interaction_count=count)
+
+    @app.get("/rl/trajectories")
+    async def trajectories(
+        self,
+        since: int = Query(0, ge=0, description="Return records with seq > since."),
+        limit: int = Query(1000, ge=1, le=100_000),
+        authorization: str | None = Header(None),
+    ):
+        self._admin(authorization)
+        records = await self.trajectories.read.remote(since, limit)
+        body = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+        return StreamingResponse(iter([body]), media_type="application/x-ndjson")
+
+    # --- OpenAI routes -------------------------------------------------------
+
+    @app.get("/v1/models")
+    @app.get("/models")
+    async def models(self, authorization: str | None = Header(None)):
+        _bearer(authorization)
+        created = int(time.time())
+        return {"object": "list", "data": [Model(id=name, created=created, object="model", owned_by="rlgate")
+                                           for name in self.model_names[:-1]]}
+
+    def _check_model(self, name: str) -> None:
+        if self.settings.gateway.strict_model and name not in self.model_names:
+            raise HTTPError(404, f"model {name!r} is not served here; use one of {self.model_names}", param="model")
+
+    def _check_request(self, request: api._Sampling) -> None:
+        problems = api.unsupported_fields(request)
+        if problems:
+            raise HTTPError(400, "; ".join(problems), param=problems[0].split("'")[1] if "'" in problems[0] else None)
+        self._check_model(request.model)
+        gateway = self.settings.gateway
+        if request.n > gateway.max_n:
+            raise HTTPError(400, f"n={request.n} exceeds this gateway's limit of {gateway.max_n}", param="n")
+
+    def _sampling(self, request: api._Sampling, max_tokens: int | None, top_logprobs: int) -> SamplingParams:
+        limit = self.settings.gateway.max_completion_tokens
+        if max_tokens is not None and max_tokens > limit:
+            raise HTTPError(400, f"max_tokens={max_tokens} exceeds this gateway's limit of {limit}",
+                            param="max_tokens")
+        return SamplingParams(
+            max_tokens=max_tokens or limit, temperature=request.temperature, top_p=request.top_p,
+            top_k=request.top_k, stop=tuple(request.stop or ()), seed=request.seed, n=request.n,
+            top_logprobs=top_logprobs,
+        )
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
+        context = self.settings.rollout.max_model_len
+        if len(prompt_ids) >= context:
+            raise HTTPError(400, f"the prompt has {len(prompt_ids)} tokens; the model's context holds {context}",
+                            param="messages")
+
+    async def _generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator:
+        """Engine chunks; an engine that is down or gone becomes a 503."""
+        stream = self.rollout.options(stream=True).generate.remote(prompt_ids, params.model_dump())
+        try:
+            async for chunk in stream:
+                yield chunk
+        except RayTaskError as err:
+            cause = _cause(err)
+            if isinstance(cause, EngineInputError):
+                raise HTTPError(400, str(cause)) from None
+            raise HTTPError(503, f"rollout engine failed: {cause.__class__.__name__}: {cause}") from None
+        except (RayActorError, RuntimeError) as err:
+            raise HTTPError(503, f"rollout engine unavailable: {err.__class__.__name__}") from None
+
+    @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
+    async def chat_completions(self, request: api.ChatCompletionRequest, authorization: str | None = Header(None)):
+        self._check_request(request)
+        key_hash = self._session_key(authorization)
+        if self.renderer is None:
+            raise HTTPError(400, "this model has no chat template; use /v1/completions")
+        if len(request.messages) > self.settings.gateway.max_messages:
+            raise HTTPError(400, f"{len(request.messages)} messages exceed the limit of "
+                                 f"{self.settings.gateway.max_messages}", param="messages")
+        messages = [m.for_template() for m in request.messages]
+        tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+        keys = exchange_keys(messages, tools)
+        candidates = [keys[i] for i, m in enumerate(messages) if m["role"] == "assistant"]
+        session_id, parent = await self._call(self.sessions.begin.remote(key_hash, candidates))
+        prompt_ids = None
+        if parent is not None:
+            prompt_ids = self.renderer.continuation_ids(
+                messages, tools, keys.index(parent.key), parent.sequence, parent.last_token
+            )
+        parent_id = parent.interaction_id if parent is not None and prompt_ids is not None else None
+        if prompt_ids is None:
+            try:
+                prompt_ids = self.renderer.prompt_ids(messages, tools)
+            except Exception as err:  # the model's own template refused these messages
+                raise HTTPError(400, f"the chat template cannot render these messages: {err}",
+                                param="messages") from None
+        self._check_prompt(prompt_ids)
+        top = (request.top_logprobs or 0) if request.logprobs else 0
+        params = self._sampling(request, request.max_completion_tokens or request.max_tokens, top)
+        use_tools = self.tool_parser is not None and tools is not None and request.tool_choice != "none"
+        turn = _Turn(self, request, session_id, prompt_ids, parent_id, keys[-1], use_tools)
+        if request.stream:
+            return StreamingResponse(turn.stream(params), media_type="text/event-stream")
+        return await turn.complete(params)
+
+    @app.post("/v1/completions")
+    @app.post("/completions")
+    async def completions(self, request: api.CompletionRequest, authorization: str | None = Header(None)):
+        self._check_request(request)
+        key_hash = self._session_key(authorization)
+        if isinstance(request.prompt, str):
+            prompt_ids = self.tokenizer.encode(request.prompt)
+        else:
+            prompt_ids = list(request.prompt)
+            if any(not 0 <= t < len(self.tokenizer) for t in prompt_ids):
+                raise HTTPError(400, f"prompt token ids must be in [0, {len(self.tokenizer)})", param="prompt")
+        if not prompt_ids:
+            raise HTTPError(400, "the prompt is empty", param="prompt")
+        self._check_prompt(prompt_ids)
+        if request.stream:
+            raise HTTPError(400, "'stream' is supported on /v1/chat/completions only", param="stream")
+        session_id, _ = await self._call(self.sessions.begin.remote(key_hash, []))
+        params = self._sampling(request, request.max_tokens, request.logprobs or 0)
+        completions = await _collect(self._generate(prompt_ids, params), params.n)
+        completion_id = "cmpl-" + secrets.token_hex(12)
+        interactions = [
+            Interaction(id=_choice_id(completion_id, c.index), prompt_ids=prompt_ids, completion_ids=c.token_ids,
+                        logprobs=c.logprobs, versions=c.versions, finish_reason=c.finish_reason)
+            for c in completions
+        ]
+        await self._call(self.sessions.record.remote(session_id, interactions))
+        choices = []
+        for c in completions:
+            logprobs = None
+            if request.logprobs is not None:
+                tokens = [self.text_of(t) for t in c.token_ids]
+                offsets, at = [], 0
+                for token in tokens:
+                    offsets.append(at)
+                    at += len(token)
+                logprobs = Logprobs(tokens=tokens, token_logprobs=c.logprobs, text_offset=offsets,
+                                    top_logprobs=[{self.text_of(t): lp for t, lp in d.items()} for d in c.top_logprobs]
+                                    if c.top_logprobs else None)
+            choices.append(CompletionChoice(index=c.index, text=visible_text(self.tokenizer, c.token_ids, c.stop_reason),
+                                            finish_reason=c.finish_reason, logprobs=logprobs))
+        generated = sum(len(c.token_ids) for c in completions)
+        return Completion(id=completion_id, object="text_completion", created=int(time.time()),
+                          model=request.model, choices=choices,
+                          usage=CompletionUsage(prompt_tokens=len(prompt_ids), completion_tokens=generated,
+                                                total_tokens=len(prompt_ids) + generated))

@@ -1,0 +1,81 @@
+"""SessionStore: live sessions, their hashed keys, interactions and rewards.
+
+Created by the Gateway (get-or-create, a named detached actor per run) with
+handles to the run's CapacityActor and TrajectoryStore. Called by every
+Gateway replica: ``start``/``end`` on the session routes, ``begin``/``record``
+around each completion, ``set_reward``. When a session ends (explicitly, by
+refresh, or idle past the timeout) its trajectory is exported to the
+TrajectoryStore, which has it on disk before the ending call returns.
+Owns: the :class:`rlgate.sessions.SessionManager` state (in memory; see the
+reliability notes for restarts). Never sees raw keys, only their SHA-256.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import ray
+
+from rlgate.sessions import Parent, SessionManager, sweep
+from rlgate.trajectory import Interaction
+
+
+class _CapacityClient:
+    """The CapacityActor behind the plain async interface SessionManager expects."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+    async def acquire(self, timeout_s: float = 0.0) -> bool:
+        return await self.actor.acquire.remote(timeout_s)
+
+    async def release(self, accepted: bool) -> None:
+        await self.actor.release.remote(accepted)
+
+
+@ray.remote(num_cpus=0)
+class SessionStore:
+    def __init__(self, capacity, trajectories, settings: dict) -> None:
+        self.trajectories = trajectories
+        self.manager = SessionManager(
+            _CapacityClient(capacity),
+            self._persist,
+            export_style=settings["export_style"],
+            turn_discount=settings["turn_discount"],
+            session_timeout_s=settings["session_timeout_s"],
+            refresh_timeout_s=settings["refresh_timeout_s"],
+        )
+        self._sweep_every = min(10.0, settings["session_timeout_s"] / 4)
+        self._sweeper: asyncio.Task | None = None
+
+    async def _persist(self, records: list[dict]) -> None:
+        await self.trajectories.append.remote(records)
+
+    def _ensure_sweeper(self) -> None:
+        # Started on the first call: an actor's __init__ runs before its event loop.
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.create_task(sweep(self.manager, self._sweep_every))
+
+    async def start(self, task_id: str, key_hash: str, refresh_key_hash: str | None = None) -> str:
+        self._ensure_sweeper()
+        return await self.manager.start(task_id, key_hash, refresh_key_hash)
+
+    async def begin(self, key_hash: str, candidate_keys: list[str]) -> tuple[str, Parent | None]:
+        self._ensure_sweeper()
+        return self.manager.begin(key_hash, candidate_keys)
+
+    async def record(self, session_id: str, interactions: list[Interaction]) -> None:
+        self.manager.record(session_id, interactions)
+
+    async def set_reward(self, key_hash: str, reward: float, interaction_id: str | None) -> str:
+        return self.manager.set_reward(key_hash, reward, interaction_id)
+
+    async def end(self, key_hash: str) -> int:
+        return await self.manager.end(key_hash)
+
+    async def expire_idle(self) -> int:
+        return await self.manager.expire_idle()
+
+    async def stats(self) -> dict:
+        self._ensure_sweeper()
+        return self.manager.stats()

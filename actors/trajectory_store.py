@@ -1,0 +1,99 @@
+"""TrajectoryStore: finished trajectories, on disk before they are acknowledged.
+
+Created by the Gateway (get-or-create, a named detached actor per run), so it
+outlives any one replica. Called by SessionStore (``append`` when a session
+ends), the Gateway (``read`` for ``GET /rl/trajectories``) and, later, the
+trainer. Owns append-only JSON-lines segments under
+``<run_dir>/trajectories/`` and the next sequence number; everything else is
+rebuilt from the files on start, so a restarted actor loses nothing that was
+acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import ray
+
+SEGMENT_BYTES = 64 * 2**20
+
+
+class TrajectoryFiles:
+    """The on-disk log: ``part-<first seq>.jsonl`` files, one JSON record per line,
+    each with a ``seq`` (1, 2, ...). Appends are flushed and fsync'd."""
+
+    def __init__(self, folder: str | Path, segment_bytes: int = SEGMENT_BYTES) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.segment_bytes = segment_bytes
+        self.last_seq = 0
+        for path in self.segments():
+            self.last_seq = max(self.last_seq, self._recover(path))
+
+    def segments(self) -> list[Path]:
+        return sorted(self.folder.glob("part-*.jsonl"))
+
+    def _recover(self, path: Path) -> int:
+        """Last sequence number in a segment; a torn last line (a crash during a
+        write that was never acknowledged) is cut off."""
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            data = data[: data.rfind(b"\n") + 1]
+            with open(path, "r+b") as handle:
+                handle.truncate(len(data))
+        lines = data.splitlines()
+        return json.loads(lines[-1])["seq"] if lines else 0
+
+    def append(self, records: list[dict]) -> list[int]:
+        segments = self.segments()
+        path = segments[-1] if segments else None
+        if path is None or path.stat().st_size >= self.segment_bytes:
+            path = self.folder / f"part-{self.last_seq + 1:012d}.jsonl"
+        seqs = list(range(self.last_seq + 1, self.last_seq + 1 + len(records)))
+        lines = "".join(json.dumps({"seq": seq, **record}, ensure_ascii=False) + "\n" for seq, record in zip(seqs, records))
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write(lines)
+            handle.flush()
+            os.fsync(handle.fileno())
+        self.last_seq = seqs[-1] if seqs else self.last_seq
+        return seqs
+
+    def read(self, since: int, limit: int) -> list[dict]:
+        """Records with ``seq > since``, oldest first, at most ``limit``."""
+        out: list[dict] = []
+        segments = self.segments()
+        firsts = [int(p.stem.split("-")[1]) for p in segments]
+        for path, first, following in zip(segments, firsts, firsts[1:] + [None]):
+            if following is not None and following <= since + 1:
+                continue  # every record in this segment is older
+            with open(path, encoding="utf-8") as handle:
+                for line in handle:
+                    if not line.endswith("\n"):
+                        break  # a write in progress
+                    record = json.loads(line)
+                    if record["seq"] > since:
+                        out.append(record)
+                        if len(out) >= limit:
+                            return out
+        return out
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
+class TrajectoryStore:
+    def __init__(self, run_dir: str) -> None:
+        self.files = TrajectoryFiles(Path(run_dir) / "trajectories")
+        self._lock = asyncio.Lock()
+
+    async def append(self, records: list[dict]) -> list[int]:
+        """Persist records (fsync'd) and return their sequence numbers."""
+        async with self._lock:
+            return await asyncio.to_thread(self.files.append, records)
+
+    async def read(self, since: int = 0, limit: int = 1000) -> list[dict]:
+        return await asyncio.to_thread(self.files.read, since, limit)
+
+    async def stats(self) -> dict:
+        return {"trajectories": self.files.last_seq, "folder": str(self.files.folder)}

@@ -1,0 +1,206 @@
+"""HTTP schemas of the gateway: OpenAI-compatible requests and the session routes.
+
+Responses reuse the official ``openai`` SDK's pydantic models, so the shapes
+are OpenAI's own. Requests are ours because we must refuse what we cannot
+honour: a field we do not support is a 400 that names it (see
+:func:`unsupported_fields`), never silently ignored; a value of the wrong
+type or out of range is a 422 naming the field (pydantic).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Request(BaseModel):
+    # Unknown fields are kept so they can be reported by name (400), not dropped.
+    model_config = ConfigDict(extra="allow")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(BaseModel):
+    name: str = Field(min_length=1)
+    arguments: str | dict = "{}"
+
+
+class ToolCallIn(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatMessage:
+        if self.role != "assistant" and self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
+
+    def for_template(self) -> dict:
+        """The message as chat templates expect it: text content, developer as system."""
+        text = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionSpec(BaseModel):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: dict
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = True
+
+
+def _finite(value: float | None) -> float | None:
+    if value is not None and not math.isfinite(value):
+        raise ValueError("must be a finite number")
+    return value
+
+
+class _Sampling(_Request):
+    model: str = Field(min_length=1)
+    n: int = Field(1, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="vLLM extension: keep the k most likely tokens; 0 disables.")
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, description="Accepted for compatibility; not used.")
+    # Accepted only at their neutral value; anything else is refused by name.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict | None = None
+
+    _finite_temperature = field_validator("temperature", "top_p", "frequency_penalty", "presence_penalty")(_finite)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value):
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > 16 or any(not s for s in stops):
+            raise ValueError("up to 16 non-empty stop strings")
+        return stops
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] = Field(description="One prompt: text, or token ids.")
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+# Fields whose value we cannot honour, with the neutral value we accept.
+_NEUTRAL = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "logit_bias": None,
+    "parallel_tool_calls": (None, True),
+    "echo": False,
+    "best_of": (None, 1),
+    "suffix": None,
+}
+
+
+def unsupported_fields(request: _Request) -> list[str]:
+    """Messages naming every field of ``request`` that we would otherwise ignore."""
+    problems = [f"unsupported field '{name}'" for name in (request.model_extra or {})]
+    for name, neutral in _NEUTRAL.items():
+        if name in type(request).model_fields:
+            value = getattr(request, name)
+            allowed = neutral if isinstance(neutral, tuple) else (neutral,)
+            if value not in allowed:
+                problems.append(f"'{name}' is not supported (only {allowed[0]!r})")
+    if isinstance(request, ChatCompletionRequest):
+        if request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice):
+            problems.append("'tool_choice' may be 'auto' or 'none'; forcing a tool call is not supported")
+        if request.response_format not in (None, {"type": "text"}):
+            problems.append("'response_format' is not supported (only {'type': 'text'})")
+        if request.top_logprobs and not request.logprobs:
+            problems.append("'top_logprobs' needs 'logprobs': true")
+    return problems
+
+
+# --- session routes (AReaL-compatible) -------------------------------------
+
+
+class StartSessionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    task_id: str = Field(min_length=1, max_length=256, description="Groups sessions of the same task for GRPO.")
+    api_key: str | None = Field(None, description="A session key to refresh: its session ends and a new one starts.")
+
+
+class StartSessionResponse(BaseModel):
+    session_id: str
+    api_key: str
+
+
+class SetRewardRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reward: float
+    interaction_id: str | None = Field(None, description="A completion id; default: the latest completion.")
+
+    _finite_reward = field_validator("reward")(_finite)
+
+
+class SetRewardResponse(BaseModel):
+    message: str
+    interaction_id: str
+
+
+class EndSessionResponse(BaseModel):
+    message: str
+    interaction_count: int

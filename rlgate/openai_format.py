@@ -1,0 +1,93 @@
+"""Completion ids to OpenAI-shaped text, logprobs and tool calls (pure; no Ray).
+
+The engine returns token ids (including an end-of-turn or stop token the model
+produced); clients get text. Text stops before a matched stop string, as
+OpenAI's does; the recorded ids keep everything the model sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from openai.types.chat import ChatCompletionTokenLogprob
+from openai.types.chat.chat_completion_token_logprob import TopLogprob
+
+
+def visible_text(tokenizer, token_ids: list[int], stop_reason: str | int | None) -> str:
+    """The text a client sees: special tokens dropped, cut before a stop string."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    if isinstance(stop_reason, str) and stop_reason in text:
+        text = text[: text.index(stop_reason)]
+    return text
+
+
+class TextStream:
+    """Incremental detokenisation for streaming.
+
+    ``push(ids)`` returns the new text that is safe to send: an incomplete
+    UTF-8 sequence at the end waits for its next token, and the last
+    ``longest stop string - 1`` characters wait until it is clear they do not
+    begin a stop string. ``finish(stop_reason)`` returns the rest, cut before a
+    matched stop string. Everything returned concatenates to ``visible_text``.
+    """
+
+    def __init__(self, tokenizer, stops: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.sent = 0
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def push(self, token_ids: list[int]) -> str:
+        self.ids += token_ids
+        text = self._text()
+        if text.endswith("\ufffd"):  # a multi-byte character not yet complete
+            return ""
+        safe = len(text) - self.hold
+        if safe <= self.sent:
+            return ""
+        delta, self.sent = text[self.sent : safe], safe
+        return delta
+
+    def finish(self, stop_reason: str | int | None) -> str:
+        text = visible_text(self.tokenizer, self.ids, stop_reason)
+        delta = text[self.sent :]
+        self.sent = len(text)
+        return delta
+
+
+@dataclass
+class TokenText:
+    """Per-token display strings, cached per token id."""
+
+    tokenizer: object
+
+    def __post_init__(self) -> None:
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        if token_id not in self._cache:
+            self._cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self._cache[token_id]
+
+
+def chat_logprobs(
+    text_of: TokenText, token_ids: list[int], logprobs: list[float], top: list[dict[int, float]] | None
+) -> list[ChatCompletionTokenLogprob]:
+    entries = []
+    for position, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
+        alternatives = top[position] if top else {}
+        entries.append(
+            ChatCompletionTokenLogprob(
+                token=text_of(token_id),
+                logprob=logprob,
+                bytes=list(text_of(token_id).encode()),
+                top_logprobs=[
+                    TopLogprob(token=text_of(t), logprob=lp, bytes=list(text_of(t).encode()))
+                    for t, lp in sorted(alternatives.items(), key=lambda item: -item[1])
+                ],
+            )
+        )
+    return entries

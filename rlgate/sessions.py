@@ -1,0 +1,236 @@
+"""Sessions: keys, lifecycle, refresh, timeouts, and the trajectories they produce.
+
+:class:`SessionManager` holds the logic the ``SessionStore`` actor serves. It
+never sees a raw key: the gateway hashes keys (SHA-256 of a 256-bit random
+key) before they reach it. Capacity and persistence are injected, so tests
+can drive it without Ray:
+
+* ``capacity.acquire(timeout_s) -> bool`` / ``capacity.release(accepted)``
+* ``persist(records) -> None``: must return only once the records are on disk.
+
+Errors a client can cause are :class:`SessionError` with the HTTP status and
+a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+from rlgate.trajectory import ExportStyle, Interaction, SessionTrajectory
+
+
+class SessionError(Exception):
+    """A request the session layer refuses; carries the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.retry_after = status, message, retry_after
+
+    def __reduce__(self):  # keep the fields when Ray ships the error across processes
+        return (SessionError, (self.status, self.message, self.retry_after))
+
+
+class Capacity(Protocol):
+    async def acquire(self, timeout_s: float = 0.0) -> bool: ...
+    async def release(self, accepted: bool) -> None: ...
+
+
+@dataclass
+class Session:
+    id: str
+    task_id: str
+    key_hash: str
+    trajectory: SessionTrajectory
+    created_at: float = field(default_factory=time.time)
+    last_active: float = field(default_factory=time.monotonic)
+    ending: bool = False
+
+
+@dataclass
+class Parent:
+    """What the gateway needs to continue an earlier exchange verbatim."""
+
+    interaction_id: str
+    key: str
+    sequence: list[int]
+    last_token: list[int]
+
+
+class SessionManager:
+    def __init__(
+        self,
+        capacity: Capacity,
+        persist: Callable[[list[dict]], Awaitable[None]],
+        *,
+        export_style: ExportStyle = "individual",
+        turn_discount: float = 1.0,
+        session_timeout_s: float = 3600.0,
+        refresh_timeout_s: float = 120.0,
+        retry_after_s: float = 5.0,
+    ) -> None:
+        self.capacity, self.persist = capacity, persist
+        self.export_style, self.turn_discount = export_style, turn_discount
+        self.session_timeout_s, self.refresh_timeout_s = session_timeout_s, refresh_timeout_s
+        self.retry_after_s = retry_after_s
+        self.sessions: dict[str, Session] = {}
+        self._by_key: dict[str, str] = {}  # key hash -> live session id
+        self._ended: dict[str, float] = {}  # key hash -> when its last session ended (for 410)
+        self._refreshing: set[str] = set()
+        self.counters = {"started": 0, "ended": 0, "expired": 0, "refreshed": 0, "rejected": 0, "exported": 0}
+
+    # --- lifecycle ----------------------------------------------------------
+
+    async def start(self, task_id: str, key_hash: str, refresh_key_hash: str | None = None) -> str:
+        """Start a session under ``key_hash``; with ``refresh_key_hash`` (the same
+        key) end that key's live session first. Returns the session id."""
+        if refresh_key_hash is None:
+            if not await self.capacity.acquire(0.0):
+                self.counters["rejected"] += 1
+                raise SessionError(429, "no capacity for a new session now; retry later", self.retry_after_s)
+            return self._open(task_id, key_hash)
+        if refresh_key_hash in self._refreshing:
+            raise SessionError(409, "this key is already being refreshed by another request")
+        if refresh_key_hash not in self._by_key and refresh_key_hash not in self._ended:
+            raise SessionError(401, "unknown api_key: refresh takes a key returned by /rl/start_session")
+        self._refreshing.add(refresh_key_hash)
+        try:
+            if refresh_key_hash in self._by_key:
+                await self._end(self._by_key[refresh_key_hash], reason="refreshed")
+                self.counters["refreshed"] += 1
+            if not await self.capacity.acquire(self.refresh_timeout_s):
+                self.counters["rejected"] += 1
+                raise SessionError(
+                    429,
+                    f"the previous session of this key was ended and exported, but no capacity for a new "
+                    f"one came within {self.refresh_timeout_s:g} s; retry start_session with the same api_key",
+                    self.retry_after_s,
+                )
+            self._ended.pop(refresh_key_hash, None)
+            return self._open(task_id, refresh_key_hash)
+        finally:
+            self._refreshing.discard(refresh_key_hash)
+
+    def _open(self, task_id: str, key_hash: str) -> str:
+        session_id = "sess-" + secrets.token_hex(12)
+        self.sessions[session_id] = Session(session_id, task_id, key_hash, SessionTrajectory(session_id, task_id))
+        self._by_key[key_hash] = session_id
+        self.counters["started"] += 1
+        return session_id
+
+    async def end(self, key_hash: str) -> int:
+        session = self._live(key_hash)
+        count = len(session.trajectory)
+        await self._end(session.id, reason="ended")
+        return count
+
+    async def _end(self, session_id: str, reason: str) -> None:
+        """Close a session, persist its trajectory, return its capacity slot.
+
+        The session leaves the key index first, so no request can add to it
+        while it is being exported. If persisting fails, the session is put
+        back as it was (nothing is lost) and the caller gets a 503.
+        """
+        session = self.sessions[session_id]
+        self._by_key.pop(session.key_hash, None)
+        session.ending = True
+        records = [
+            {**asdict(sample), "end_reason": reason}
+            for sample in session.trajectory.export(self.export_style, self.turn_discount)
+        ]
+        try:
+            if records:
+                await self.persist(records)
+        except Exception as err:
+            session.ending = False
+            self._by_key[session.key_hash] = session_id
+            raise SessionError(503, f"could not save the trajectory ({err}); the session is still open, retry") from err
+        del self.sessions[session_id]
+        self._ended[session.key_hash] = time.time()
+        self.counters["exported"] += len(records)
+        self.counters["ended"] += 1
+        await self.capacity.release(accepted=len(session.trajectory) > 0)
+
+    async def expire_idle(self) -> int:
+        """End every session idle past the timeout; return how many."""
+        cutoff = time.monotonic() - self.session_timeout_s
+        idle = [s.id for s in self.sessions.values() if s.last_active < cutoff and not s.ending]
+        for session_id in idle:
+            if session_id in self.sessions and not self.sessions[session_id].ending:
+                await self._end(session_id, reason="timeout")
+                self.counters["expired"] += 1
+        return len(idle)
+
+    async def close_all(self, reason: str = "shutdown") -> None:
+        for session_id in [s.id for s in self.sessions.values() if not s.ending]:
+            await self._end(session_id, reason=reason)
+
+    # --- requests within a session -------------------------------------------
+
+    def _live(self, key_hash: str) -> Session:
+        session_id = self._by_key.get(key_hash)
+        if session_id is None:
+            if key_hash in self._ended:
+                raise SessionError(410, "this session has ended; start a new one with /rl/start_session")
+            raise SessionError(401, "invalid API key")
+        session = self.sessions[session_id]
+        session.last_active = time.monotonic()
+        return session
+
+    def begin(self, key_hash: str, candidate_keys: list[str]) -> tuple[str, Parent | None]:
+        """Authenticate a request and find the earlier exchange it continues."""
+        session = self._live(key_hash)
+        parent = session.trajectory.find(candidate_keys)
+        if parent is None:
+            return session.id, None
+        return session.id, Parent(parent.id, parent.key, parent.sequence, parent.completion_ids[-1:])
+
+    def record(self, session_id: str, interactions: list[Interaction]) -> None:
+        session = self.sessions.get(session_id)
+        if session is None or session.ending:
+            raise SessionError(410, "the session ended while this completion was generated; it was not recorded")
+        for interaction in interactions:
+            session.trajectory.add(interaction)
+        session.last_active = time.monotonic()
+
+    def set_reward(self, key_hash: str, reward: float, interaction_id: str | None) -> str:
+        session = self._live(key_hash)
+        try:
+            return session.trajectory.set_reward(reward, interaction_id)
+        except LookupError as err:
+            raise SessionError(404 if interaction_id else 409, str(err)) from None
+
+    def stats(self) -> dict:
+        return {
+            "open_sessions": len(self.sessions),
+            "open_interactions": sum(len(s.trajectory) for s in self.sessions.values()),
+            **self.counters,
+        }
+
+
+def hash_key(key: str) -> str:
+    """Keys are 256-bit random tokens, so a plain SHA-256 is a safe verifier."""
+    import hashlib
+
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_session_key() -> str:
+    return "rlg-" + secrets.token_urlsafe(32)
+
+
+def same_secret(given: str, expected: str) -> bool:
+    """Constant-time comparison of two secrets."""
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+async def sweep(manager: SessionManager, every_s: float) -> None:
+    """Background task: end idle sessions forever."""
+    while True:
+        await asyncio.sleep(every_s)
+        await manager.expire_idle()

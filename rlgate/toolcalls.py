@@ -1,0 +1,283 @@
+"""Tool calls out of model output text, whole or streamed.
+
+The gateway turns what the model wrote into an OpenAI response: ``content``
+plus ``tool_calls``. The token record is never touched; this only reads text.
+
+One convention is implemented, Hermes/Qwen (also the one ``tiny-random``'s
+template renders)::
+
+    Let me look.
+    <tool_call>{"name": "search", "arguments": {"q": "ray"}}</tool_call>
+
+A *block* is ``<tool_call>``, then text holding neither ``<tool_call>`` nor
+``</tool_call>``, then ``</tool_call>``. It is a call when the text between the
+tags, stripped of whitespace, is a JSON object with a non-empty string
+``"name"`` and an ``"arguments"`` object (``"parameters"`` is read as a
+synonym, a JSON string holding an object is accepted, and a missing one means
+``{}``). Anything else -- a malformed block, an unclosed one cut by
+``max_tokens``, a stray tag -- stays in ``content`` verbatim, so nothing the
+model wrote is lost. Arguments that contain a literal tag cannot be written in
+this convention (the block ends at the first ``</tool_call>``), as in every
+Hermes parser.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Protocol
+
+OPEN = "<tool_call>"
+CLOSE = "</tool_call>"
+_DECODER = json.JSONDecoder()
+
+
+@dataclass
+class ToolCall:
+    """One call, as OpenAI returns it: ``arguments`` is the JSON text of an object."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass
+class ParsedOutput:
+    """``content`` is None when there are tool calls and no other text."""
+
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+class ToolCallStream(Protocol):
+    def feed(self, delta: str) -> list[str]: ...
+
+    def finish(self) -> ParsedOutput: ...
+
+
+class ToolCallParser(Protocol):
+    def parse(self, text: str) -> ParsedOutput: ...
+
+    def stream(self) -> ToolCallStream: ...
+
+
+def _call_from_json(inner: str) -> ToolCall | None:
+    """The call the text between the tags spells, or None if it is malformed."""
+    try:
+        obj = json.loads(inner.strip())
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than json allows
+        return None
+    return _call_from_object(obj)
+
+
+def _call_from_object(obj: object) -> ToolCall | None:
+    if not isinstance(obj, dict):
+        return None
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return None
+    args = obj["arguments"] if "arguments" in obj else obj.get("parameters", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except (ValueError, RecursionError):
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(id=new_call_id(), name=name, arguments=json.dumps(args, ensure_ascii=False))
+
+
+def _held_tag_prefix(text: str, start: int) -> int:
+    """Length of the longest suffix of ``text[start:]`` that is a proper prefix of OPEN."""
+    for size in range(min(len(OPEN) - 1, len(text) - start), 0, -1):
+        if text.endswith(OPEN[:size]):
+            return size
+    return 0
+
+
+class _Scanner:
+    """Cuts a growing text into content pieces and calls, deciding only what is final.
+
+    ``advance(final=False)`` decides as far as no later text can change the
+    answer; ``advance(final=True)`` decides the rest. Every decision taken
+    early is the one the whole text leads to, so parsing at once and parsing
+    in pieces agree.
+    """
+
+    def __init__(self, text: str = "") -> None:
+        self.text = text
+        self.pos = 0  # everything before pos is decided
+
+    def advance(self, final: bool) -> list[str | ToolCall]:
+        text, out = self.text, []
+        while True:
+            start = text.find(OPEN, self.pos)
+            if start < 0:
+                end = len(text) if final else len(text) - _held_tag_prefix(text, self.pos)
+                if end > self.pos:
+                    out.append(text[self.pos : end])
+                self.pos = end
+                return out
+            if start > self.pos:
+                out.append(text[self.pos : start])
+            self.pos = start
+            body = start + len(OPEN)
+            call, decided = self._block(body, final)
+            if not decided:
+                return out
+            if call is None:  # not a call: the tag is text, and what follows it is read afresh
+                out.append(OPEN)
+                self.pos = body
+            else:
+                out.append(call)
+                self.pos = text.find(CLOSE, body) + len(CLOSE)
+
+    def _block(self, body: int, final: bool) -> tuple[ToolCall | None, bool]:
+        """(the call, whether decided) for the block whose text begins at ``body``."""
+        text = self.text
+        close, reopen = text.find(CLOSE, body), text.find(OPEN, body)
+        if close >= 0 and (reopen < 0 or close < reopen):
+            return _call_from_json(text[body:close]), True
+        if reopen >= 0 or final:  # a block inside a block, or never closed
+            return None, True
+        # Still open. Decide early only where no continuation can make it a
+        # call, so that the text after the tag is not held back for nothing.
+        first = body
+        while first < len(text) and text[first].isspace():
+            first += 1
+        if first == len(text):
+            return None, False
+        if text[first] != "{":
+            return None, True
+        try:
+            obj, end = _DECODER.raw_decode(text, first)
+        except (ValueError, RecursionError):  # incomplete, or broken: only a tag or the end tells
+            return None, False
+        # A complete object cannot change, and no tag can begin inside it (no
+        # prefix of a tag ends in "}"): what follows decides.
+        while end < len(text) and text[end].isspace():
+            end += 1
+        if _call_from_object(obj) is None or not CLOSE.startswith(text[end:]):
+            return None, True
+        return None, False
+
+
+def _assemble(pieces: list[str | ToolCall]) -> ParsedOutput:
+    calls = [piece for piece in pieces if isinstance(piece, ToolCall)]
+    content = "".join(piece for piece in pieces if isinstance(piece, str))
+    if not calls:
+        return ParsedOutput(content=content, tool_calls=[])
+    return ParsedOutput(content=content.strip() or None, tool_calls=calls)
+
+
+class HermesStream:
+    """Incremental Hermes parsing for a streamed response.
+
+    ``feed(delta)`` returns the content that can be sent to the client now
+    (a list of non-empty strings, often empty); ``finish()`` returns the
+    result for the whole text, equal to ``HermesToolParser().parse(text)``
+    but for the call ids (those decided while streaming keep theirs).
+
+    Contract: the concatenation of everything ``feed`` returned is always a
+    prefix of ``finish().content`` (of ``""`` when that is None). Sent text
+    cannot be taken back, so ``feed`` holds back whatever may still change:
+
+    * a trailing piece that may start ``<tool_call>`` (``<``, ``<tool``);
+    * everything from an open ``<tool_call>`` until it is known to be a call
+      (its ``</tool_call>`` arrived) or known not to be one (its text cannot
+      begin a JSON object, the object is complete but not a call, or text
+      other than ``</tool_call>`` follows it); broken JSON inside an open
+      block is held until a tag or the end;
+    * trailing whitespace, which the final content strips if calls follow;
+    * all of it, when the text starts with whitespace and no call has been
+      seen yet: content is the text unchanged without calls, stripped with
+      them, and the two differ from the first character.
+
+    ``tool_calls`` lists the calls decided so far, for streaming them.
+    """
+
+    def __init__(self) -> None:
+        self._scanner = _Scanner()
+        self._pieces: list[str | ToolCall] = []
+        self._outside = ""  # decided content so far, calls left out
+        self._first = -1  # index in _outside of the first non-space character
+        self._last = 0  # index in _outside after the last non-space character
+        self._sent = 0  # _outside[:_sent] (from _first once calls exist) has been returned
+        self._has_calls = False
+        self._result: ParsedOutput | None = None
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return [piece for piece in self._pieces if isinstance(piece, ToolCall)]
+
+    def feed(self, delta: str) -> list[str]:
+        if self._result is not None:
+            raise RuntimeError("feed() after finish()")
+        self._scanner.text += delta
+        return self._take(self._scanner.advance(final=False))
+
+    def finish(self) -> ParsedOutput:
+        if self._result is None:
+            self._pieces.extend(self._scanner.advance(final=True))
+            self._result = _assemble(self._pieces)
+        return self._result
+
+    def _take(self, pieces: list[str | ToolCall]) -> list[str]:
+        self._pieces.extend(pieces)
+        for piece in pieces:
+            if isinstance(piece, ToolCall):
+                self._has_calls = True
+                continue
+            kept = piece.rstrip()
+            if kept:
+                if self._first < 0:
+                    self._first = len(self._outside) + len(piece) - len(piece.lstrip())
+                self._last = len(self._outside) + len(kept)
+            self._outside += piece
+        if self._first < 0:
+            return []
+        if self._has_calls:
+            self._sent = max(self._sent, self._first)
+        elif self._first > 0:  # leading whitespace: kept without calls, stripped with them
+            return []
+        if self._last <= self._sent:
+            return []
+        out = self._outside[self._sent : self._last]
+        self._sent = self._last
+        return [out]
+
+
+class HermesToolParser:
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes, Qwen)."""
+
+    def parse(self, text: str) -> ParsedOutput:
+        """Content and calls of a whole output.
+
+        With no calls, content is ``text`` unchanged; with calls, it is the
+        text outside them, stripped, or None if that is empty.
+        """
+        return _assemble(_Scanner(text).advance(final=True))
+
+    def stream(self) -> HermesStream:
+        return HermesStream()
+
+
+PARSERS: dict[str, type] = {"hermes": HermesToolParser}
+
+
+def get_parser(name: str) -> ToolCallParser:
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(sorted(PARSERS))}")
+    return PARSERS[name]()
+
+
+def detect_parser(chat_template: str | None) -> str | None:
+    """The parser for a model's chat template, or None if it has no tool call format."""
+    if chat_template and OPEN in chat_template:
+        return "hermes"
+    return None

@@ -1,0 +1,208 @@
+"""Exact trajectories: the token-level record of one session, and its export.
+
+A session is a tree of *interactions*, one per completion the engine produced.
+An interaction whose prompt continued an earlier exchange verbatim (its
+messages extend the earlier prompt plus that completion) has that earlier
+interaction as ``parent``; its ``prompt_ids`` then start with the parent's
+``prompt_ids + completion_ids``, token for token. A request that does not
+continue anything starts a new root. Each root-to-leaf path is one
+conversation branch.
+
+Export styles:
+
+* ``individual``: one sample per interaction: its prompt and completion,
+  loss mask over the completion only.
+* ``concat``: one sample per branch: the leaf's full sequence, loss mask over
+  every completion along the path (earlier completions sit verbatim inside
+  later prompts), so a multi-turn, tool-calling episode is one sequence.
+
+Rewards propagate backwards with ``turn_discount`` (γ): an interaction's
+return is its own reward (0 when unset) plus γ times the return of what came
+after it; where a conversation branched, "what came after" is the mean over
+the branches. Pure Python: no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+ExportStyle = Literal["individual", "concat"]
+NO_VERSION = -1  # version recorded for tokens the model did not sample (prompt tokens)
+
+
+@dataclass
+class Interaction:
+    """One completion: what the engine saw and what it produced."""
+
+    id: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str | None
+    parent: str | None = None
+    reward: float | None = None
+    key: str | None = None  # hash of (tools, messages + the returned assistant message), for continuations
+    created_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if not (len(self.completion_ids) == len(self.logprobs) == len(self.versions)):
+            raise ValueError("completion_ids, logprobs and versions must have the same length")
+
+    @property
+    def sequence(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+
+@dataclass
+class Sample:
+    """One exported training sample (a JSON record in the trajectory files)."""
+
+    session_id: str
+    task_id: str
+    style: ExportStyle
+    interaction_ids: list[str]
+    rewards: list[float]  # the return of each interaction listed, in order
+    reward: float  # the sample's reward: the return of its first interaction
+    input_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reasons: list[str | None]
+    created_at: float
+    ended_at: float
+
+
+class SessionTrajectory:
+    """The interaction tree of one session; pure bookkeeping."""
+
+    def __init__(self, session_id: str, task_id: str) -> None:
+        self.session_id = session_id
+        self.task_id = task_id
+        self.interactions: dict[str, Interaction] = {}  # insertion order = creation order
+        self._by_key: dict[str, str] = {}
+        self.created_at = time.time()
+
+    def __len__(self) -> int:
+        return len(self.interactions)
+
+    def add(self, interaction: Interaction) -> None:
+        if interaction.id in self.interactions:
+            raise ValueError(f"interaction {interaction.id} already recorded")
+        if interaction.parent is not None:
+            parent = self.interactions[interaction.parent]
+            if interaction.prompt_ids[: len(parent.sequence)] != parent.sequence:
+                raise ValueError("a continuation must start with its parent's prompt and completion ids")
+        self.interactions[interaction.id] = interaction
+        if interaction.key is not None:
+            self._by_key[interaction.key] = interaction.id
+
+    def find(self, keys: list[str]) -> Interaction | None:
+        """The interaction whose key is the latest of ``keys`` recorded (the longest
+        earlier exchange a new request continues), or None."""
+        for key in reversed(keys):
+            if key in self._by_key:
+                return self.interactions[self._by_key[key]]
+        return None
+
+    def set_reward(self, reward: float, interaction_id: str | None = None) -> str:
+        """Set the reward of one interaction (default: the latest); return its id."""
+        if not self.interactions:
+            raise LookupError("this session has no completions to reward yet")
+        if interaction_id is None:
+            interaction_id = next(reversed(self.interactions))
+        if interaction_id not in self.interactions:
+            raise LookupError(f"no interaction {interaction_id!r} in this session")
+        self.interactions[interaction_id].reward = float(reward)
+        return interaction_id
+
+    def children(self) -> dict[str | None, list[str]]:
+        tree: dict[str | None, list[str]] = {}
+        for interaction in self.interactions.values():
+            tree.setdefault(interaction.parent, []).append(interaction.id)
+        return tree
+
+    def returns(self, turn_discount: float) -> dict[str, float]:
+        """Discounted return of every interaction (see the module docstring)."""
+        tree = self.children()
+        result: dict[str, float] = {}
+        for interaction_id in reversed(list(self.interactions)):  # children are created after parents
+            after = [result[child] for child in tree.get(interaction_id, [])]
+            future = sum(after) / len(after) if after else 0.0
+            own = self.interactions[interaction_id].reward or 0.0
+            result[interaction_id] = own + turn_discount * future
+        return result
+
+    def branches(self) -> list[list[Interaction]]:
+        """Every root-to-leaf path, leaves in creation order."""
+        tree = self.children()
+        paths = []
+        for interaction in self.interactions.values():
+            if interaction.id in tree:
+                continue  # not a leaf
+            path = [interaction]
+            while path[-1].parent is not None:
+                path.append(self.interactions[path[-1].parent])
+            paths.append(path[::-1])
+        return paths
+
+    def export(self, style: ExportStyle, turn_discount: float = 1.0) -> list[Sample]:
+        returns = self.returns(turn_discount)
+        ended = time.time()
+        if style == "individual":
+            return [self._individual(i, returns, ended) for i in self.interactions.values()]
+        if style == "concat":
+            return [self._concat(path, turn_discount, ended) for path in self.branches()]
+        raise ValueError(f"unknown export style {style!r}; expected 'individual' or 'concat'")
+
+    def _individual(self, interaction: Interaction, returns: dict[str, float], ended: float) -> Sample:
+        prompt = len(interaction.prompt_ids)
+        return Sample(
+            session_id=self.session_id,
+            task_id=self.task_id,
+            style="individual",
+            interaction_ids=[interaction.id],
+            rewards=[returns[interaction.id]],
+            reward=returns[interaction.id],
+            input_ids=interaction.sequence,
+            loss_mask=[0] * prompt + [1] * len(interaction.completion_ids),
+            logprobs=[0.0] * prompt + interaction.logprobs,
+            versions=[NO_VERSION] * prompt + interaction.versions,
+            finish_reasons=[interaction.finish_reason],
+            created_at=interaction.created_at,
+            ended_at=ended,
+        )
+
+    def _concat(self, path: list[Interaction], turn_discount: float, ended: float) -> Sample:
+        leaf = path[-1]
+        length = len(leaf.sequence)
+        loss_mask, logprobs, versions = [0] * length, [0.0] * length, [NO_VERSION] * length
+        for step in path:  # each completion sits verbatim at the same offset in the leaf's sequence
+            start = len(step.prompt_ids)
+            for offset in range(len(step.completion_ids)):
+                loss_mask[start + offset] = 1
+                logprobs[start + offset] = step.logprobs[offset]
+                versions[start + offset] = step.versions[offset]
+        # Returns along this branch only (no averaging over other branches).
+        path_returns, future = [], 0.0
+        for step in reversed(path):
+            future = (step.reward or 0.0) + turn_discount * future
+            path_returns.append(future)
+        path_returns.reverse()
+        return Sample(
+            session_id=self.session_id,
+            task_id=self.task_id,
+            style="concat",
+            interaction_ids=[step.id for step in path],
+            rewards=path_returns,
+            reward=path_returns[0],
+            input_ids=leaf.sequence,
+            loss_mask=loss_mask,
+            logprobs=logprobs,
+            versions=versions,
+            finish_reasons=[step.finish_reason for step in path],
+            created_at=path[0].created_at,
+            ended_at=ended,
+        )

@@ -1,0 +1,240 @@
+"""Session admission: the staleness rule by hand and by property, and CapacityActor on a real local Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rlgate.capacity import CapacityRule, free_slots
+
+NAMESPACE = "rlgate-test-capacity"
+
+
+@pytest.mark.parametrize(
+    ("rule", "running", "accepted", "version", "expected"),
+    [
+        # no trainer: 4 - 0
+        (CapacityRule(4), 0, 0, 0, 4),
+        # no trainer ignores accepted: 4 - 3
+        (CapacityRule(4), 3, 100, 0, 1),
+        # no trainer, running at max_concurrent: 4 - 4
+        (CapacityRule(4), 4, 0, 0, 0),
+        # S=0: min(10 - 0, (0+0+1)*2 - 0 - 0) = 2, exactly B per version
+        (CapacityRule(10, batch_size=2), 0, 0, 0, 2),
+        # S=0, a batch accepted at v0: (0+0+1)*2 - 2 - 0 = 0
+        (CapacityRule(10, batch_size=2), 0, 2, 0, 0),
+        # S=0, version advanced to 1: (0+1+1)*2 - 2 - 0 = 2
+        (CapacityRule(10, batch_size=2), 0, 2, 1, 2),
+        # S=1: (1+0+1)*2 - 0 - 0 = 4
+        (CapacityRule(10, batch_size=2, max_staleness=1), 0, 0, 0, 4),
+        # S=1, some accepted and running: (1+0+1)*2 - 2 - 1 = 1
+        (CapacityRule(10, batch_size=2, max_staleness=1), 1, 2, 0, 1),
+        # S=2: (2+0+1)*3 - 0 - 0 = 9
+        (CapacityRule(100, batch_size=3, max_staleness=2), 0, 0, 0, 9),
+        # S=2 at v2: (2+2+1)*3 - 10 - 3 = 2
+        (CapacityRule(100, batch_size=3, max_staleness=2), 3, 10, 2, 2),
+        # version advancing, S=1 at v1: (1+1+1)*4 - 8 - 0 = 4
+        (CapacityRule(100, batch_size=4, max_staleness=1), 0, 8, 1, 4),
+        # trainer, but running at max_concurrent: min(4 - 4, 16 - 0 - 4) = 0
+        (CapacityRule(4, batch_size=8, max_staleness=1), 4, 0, 0, 0),
+        # max_concurrent binds under a trainer: min(5 - 2, 24 - 0 - 2) = 3
+        (CapacityRule(5, batch_size=8, max_staleness=2), 2, 0, 0, 3),
+        # accepted far over the budget: (0+3+1)*4 - 100 - 0 < 0, clamped to 0
+        (CapacityRule(8, batch_size=4), 0, 100, 3, 0),
+    ],
+)
+def test_free_slots_by_hand(rule, running, accepted, version, expected):
+    assert free_slots(rule, running, accepted, version) == expected
+
+
+def _allowed(rule: CapacityRule, running: int, accepted: int, version: int) -> bool:
+    """The admission rule as stated, independent of free_slots."""
+    if running >= rule.max_concurrent:
+        return False
+    if rule.batch_size is None:
+        return True
+    return accepted + running < (rule.max_staleness + version + 1) * rule.batch_size
+
+
+@given(
+    max_concurrent=st.integers(1, 40),
+    batch_size=st.none() | st.integers(1, 16),
+    max_staleness=st.integers(0, 4),
+    running=st.integers(0, 50),
+    accepted=st.integers(0, 200),
+    version=st.integers(0, 12),
+)
+def test_free_slots_is_exactly_the_sessions_the_rule_admits(
+    max_concurrent, batch_size, max_staleness, running, accepted, version
+):
+    rule = CapacityRule(max_concurrent, batch_size, max_staleness)
+    free = free_slots(rule, running, accepted, version)
+    assert free >= 0
+    # Starting them one by one: each start is admitted, and the one after them is not.
+    for started in range(free):
+        assert _allowed(rule, running + started, accepted, version)
+    assert not _allowed(rule, running + free, accepted, version)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_concurrent": 0}, "max_concurrent"),
+        ({"max_concurrent": 1, "batch_size": 0}, "batch_size"),
+        ({"max_concurrent": 1, "batch_size": 2, "max_staleness": -1}, "max_staleness"),
+    ],
+)
+def test_invalid_rule_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        CapacityRule(**kwargs)
+
+
+@pytest.mark.parametrize("field", ["running", "accepted", "version"])
+def test_negative_counts_name_the_field(field):
+    counts = {"running": 0, "accepted": 0, "version": 0, field: -1}
+    with pytest.raises(ValueError, match=field):
+        free_slots(CapacityRule(2), **counts)
+
+
+# --- CapacityActor on a real local Ray ---------------------------------------------------
+
+
+@pytest.fixture
+def make_capacity(ray_session):
+    """Creates named detached CapacityActors (unique names) and kills them after the test."""
+    from actors.capacity import get_or_create_capacity
+
+    made = []
+
+    def make(max_concurrent: int, name: str | None = None):
+        handle = get_or_create_capacity(name or f"capacity-{uuid.uuid4().hex}", NAMESPACE, max_concurrent)
+        made.append(handle)
+        return handle
+
+    yield make
+    for handle in made:
+        ray_session.kill(handle)
+
+
+async def test_acquire_up_to_max_concurrent_then_release_frees_one(make_capacity):
+    capacity = make_capacity(3)
+    assert [await capacity.acquire.remote() for _ in range(4)] == [True, True, True, False]
+    await capacity.release.remote(accepted=False)
+    assert await capacity.acquire.remote() is True
+    assert await capacity.acquire.remote() is False
+
+
+async def test_acquire_waits_for_a_release(make_capacity, ray_session):
+    capacity = make_capacity(1)
+    assert await capacity.acquire.remote()
+    waiting = capacity.acquire.remote(timeout_s=30.0)
+    ready, _ = ray_session.wait([waiting], timeout=0.5)
+    assert not ready  # it waits instead of answering at once
+    await capacity.release.remote(accepted=True)
+    assert await waiting is True
+    assert (await capacity.stats.remote())["running"] == 1
+
+
+async def test_acquire_times_out_and_counts_a_rejection(make_capacity):
+    capacity = make_capacity(1)
+    assert await capacity.acquire.remote()
+    started = time.monotonic()
+    assert await capacity.acquire.remote(timeout_s=0.3) is False
+    assert time.monotonic() - started >= 0.3
+    assert (await capacity.stats.remote())["rejected"] == 1
+
+
+async def test_grant_applies_the_staleness_rule_per_version(make_capacity):
+    capacity = make_capacity(10)
+    await capacity.grant.remote(batch_size=2, max_staleness=0)
+    # S=0: two sessions at version 0, however many max_concurrent allows.
+    assert [await capacity.acquire.remote() for _ in range(3)] == [True, True, False]
+    await capacity.release.remote(accepted=True)
+    await capacity.release.remote(accepted=True)
+    assert await capacity.acquire.remote() is False  # the batch for version 0 is complete
+    await capacity.on_new_version.remote(1)
+    assert [await capacity.acquire.remote() for _ in range(3)] == [True, True, False]
+
+
+async def test_a_new_version_wakes_a_waiter(make_capacity):
+    capacity = make_capacity(10)
+    await capacity.grant.remote(batch_size=1, max_staleness=0)
+    assert await capacity.acquire.remote()
+    await capacity.release.remote(accepted=True)
+    waiting = asyncio.ensure_future(capacity.acquire.remote(timeout_s=30.0))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    await capacity.on_new_version.remote(1)
+    assert await asyncio.wait_for(waiting, 10) is True
+
+
+async def test_detach_returns_to_max_concurrent_only(make_capacity):
+    capacity = make_capacity(3)
+    await capacity.grant.remote(batch_size=1, max_staleness=0)
+    assert [await capacity.acquire.remote() for _ in range(2)] == [True, False]
+    await capacity.detach.remote()
+    assert [await capacity.acquire.remote() for _ in range(3)] == [True, True, False]
+
+
+async def test_set_max_concurrent(make_capacity):
+    capacity = make_capacity(1)
+    assert await capacity.acquire.remote()
+    await capacity.set_max_concurrent.remote(2)
+    assert [await capacity.acquire.remote() for _ in range(2)] == [True, False]
+    with pytest.raises(ValueError, match="max_concurrent"):
+        await capacity.set_max_concurrent.remote(0)
+
+
+async def test_versions_never_go_backwards(make_capacity):
+    capacity = make_capacity(1)
+    await capacity.on_new_version.remote(3)
+    await capacity.on_new_version.remote(3)  # republishing the same version is harmless
+    with pytest.raises(ValueError, match=r"3 -> 2"):
+        await capacity.on_new_version.remote(2)
+    assert (await capacity.stats.remote())["version"] == 3
+
+
+async def test_release_without_a_running_session_raises(make_capacity):
+    capacity = make_capacity(2)
+    with pytest.raises(ValueError, match="running is 0"):
+        await capacity.release.remote(accepted=True)
+    assert (await capacity.stats.remote())["accepted"] == 0
+
+
+async def test_stats_report_the_counts(make_capacity):
+    capacity = make_capacity(5)
+    await capacity.grant.remote(batch_size=2, max_staleness=1)
+    await capacity.on_new_version.remote(1)
+    for _ in range(4):
+        assert await capacity.acquire.remote()
+    await capacity.release.remote(accepted=True)
+    await capacity.release.remote(accepted=False)
+    await capacity.set_max_concurrent.remote(2)
+    assert await capacity.acquire.remote() is False  # running 2 = max_concurrent 2
+    # free: min(2 - 2, (1+1+1)*2 - 1 - 2) = 0
+    assert await capacity.stats.remote() == {
+        "running": 2,
+        "accepted": 1,
+        "rejected": 1,
+        "version": 1,
+        "max_concurrent": 2,
+        "batch_size": 2,
+        "max_staleness": 1,
+        "free": 0,
+    }
+
+
+async def test_the_named_actor_is_shared(make_capacity, ray_session):
+    name = f"capacity-{uuid.uuid4().hex}"
+    first = make_capacity(4, name)
+    assert await first.acquire.remote()
+    # get_if_exists: the same actor, its settings and counters kept.
+    again = make_capacity(9, name)
+    stats = await again.stats.remote()
+    assert (stats["running"], stats["max_concurrent"]) == (1, 4)
+    assert (await ray_session.get_actor(name, namespace=NAMESPACE).stats.remote())["running"] == 1

@@ -1,0 +1,297 @@
+"""The gateway over real HTTP with the official openai client: a real Serve app
+on loopback, the real engine on tiny-tools (tiny-random trained to call a
+calculator tool), real SessionStore / TrajectoryStore / CapacityActor."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from rlgate.models import CALCULATOR_TOOL
+from tests.conftest import start_gateway
+
+SETTINGS = {
+    "model": {"name": "tiny-tools"},
+    "rollout": {"max_model_len": 1024, "kv_cache_gib": 0.5, "request_log_size": 64},
+    "gateway": {"export_style": "concat", "turn_discount": 0.5, "max_concurrent": 16, "max_body_bytes": 65536},
+}
+
+
+@pytest.fixture(scope="module")
+def gw(ray_session, tmp_path_factory):
+    from ray import serve
+
+    app = start_gateway(ray_session, tmp_path_factory, "gw", SETTINGS)
+    yield app
+    serve.delete("gw")
+
+
+def client(gw, key, root=False) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url if root else f"{gw.url}/v1", api_key=key, max_retries=0)
+
+
+def session_headers(key) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def ask(question="What is 6 * 7?"):
+    return [{"role": "user", "content": question}]
+
+
+def test_health_and_status(gw):
+    health = httpx.get(f"{gw.url}/health").json()
+    assert health == {"status": "ok", "workers": 1, "policy_version": 0}
+    status = httpx.get(f"{gw.url}/rl/status", headers=gw.admin)
+    assert status.status_code == 200
+    body = status.json()
+    assert {"sessions", "capacity", "engine", "trajectories"} <= set(body)
+    assert body["capacity"]["max_concurrent"] == 16
+    assert httpx.get(f"{gw.url}/rl/status").status_code == 401
+
+
+def test_models_lists_the_served_name(gw):
+    key = gw.start_session()["api_key"]
+    names = [m.id for m in client(gw, key).models.list()]
+    assert names == ["tiny-tools"]
+    httpx.post(f"{gw.url}/rl/end_session", headers=session_headers(key))
+
+
+def test_tool_calling_episode_is_one_exact_sequence(gw):
+    session = gw.start_session("calc")
+    api = client(gw, session["api_key"])
+    first = api.chat.completions.create(model="tiny-tools", messages=ask(), tools=[CALCULATOR_TOOL],
+                                        temperature=0, max_tokens=64)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "calculator" and json.loads(call.function.arguments) == {"expression": "6 * 7"}
+    history = ask() + [choice.message.model_dump(exclude_none=True),
+                       {"role": "tool", "tool_call_id": call.id, "content": "42"}]
+    second = api.chat.completions.create(model="tiny-tools", messages=history, tools=[CALCULATOR_TOOL],
+                                         temperature=0, max_tokens=64)
+    assert second.choices[0].message.content == "The answer is 42."
+    assert second.choices[0].finish_reason == "stop"
+    reward = httpx.post(f"{gw.url}/rl/set_reward", json={"reward": 1.0}, headers=session_headers(session["api_key"]))
+    assert reward.json()["interaction_id"] == second.id
+    ended = httpx.post(f"{gw.url}/rl/end_session", headers=session_headers(session["api_key"])).json()
+    assert ended["interaction_count"] == 2
+
+    [record] = [r for r in gw.trajectories() if r["session_id"] == session["session_id"]]
+    engine_log = gw.rollout.recent_requests.remote(64).result()
+    seen = {tuple(entry["prompt_ids"]): entry["outputs"][0] for entry in engine_log}
+    # The stored sequence is exactly the second request the engine saw plus its output ...
+    second_prompt = record["input_ids"][: len(record["input_ids"]) - second.usage.completion_tokens]
+    second_output = seen[tuple(second_prompt)]
+    assert record["input_ids"] == second_prompt + second_output["token_ids"]
+    # ... and it begins with the first request and its output, token for token.
+    first_prompt = next(p for p in seen if len(p) == first.usage.prompt_tokens and list(p) == second_prompt[: len(p)])
+    first_output = seen[first_prompt]
+    start, end = len(first_prompt), len(first_prompt) + len(first_output["token_ids"])
+    assert second_prompt[start:end] == first_output["token_ids"]
+    # Loss mask over exactly the two completions; behaviour logprobs and versions as the engine returned them.
+    mask = [0] * len(record["input_ids"])
+    for offset, length in ((start, end - start), (len(second_prompt), len(second_output["token_ids"]))):
+        mask[offset : offset + length] = [1] * length
+    assert record["loss_mask"] == mask
+    assert record["logprobs"][start:end] == pytest.approx(first_output["logprobs"])
+    assert record["logprobs"][len(second_prompt) :] == pytest.approx(second_output["logprobs"])
+    assert set(record["versions"][start:end]) == {0}
+    assert record["interaction_ids"] == [first.id, second.id]
+    # Discounted backwards with turn_discount = 0.5.
+    assert record["rewards"] == [0.5, 1.0] and record["reward"] == 0.5
+
+
+def test_streaming_sends_text_and_tool_calls_incrementally(gw):
+    session = gw.start_session("stream")
+    api = client(gw, session["api_key"])
+    chunks = list(api.chat.completions.create(model="tiny-tools", messages=ask("What is 12 + 30?"),
+                                              tools=[CALCULATOR_TOOL], temperature=0, max_tokens=64, stream=True))
+    calls = [c for chunk in chunks if chunk.choices for c in chunk.choices[0].delta.tool_calls or []]
+    assert len(calls) == 1 and calls[0].function.name == "calculator"
+    assert json.loads(calls[0].function.arguments) == {"expression": "12 + 30"}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    # plain text streams in several pieces as it is generated
+    history = ask("What is 12 + 30?") + [
+        {"role": "assistant", "tool_calls": [{"id": calls[0].id, "type": "function",
+                                              "function": {"name": "calculator", "arguments": calls[0].function.arguments}}]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "42"}]
+    pieces = [c.choices[0].delta.content for c in api.chat.completions.create(
+        model="tiny-tools", messages=history, tools=[CALCULATOR_TOOL], temperature=0, max_tokens=64, stream=True)
+        if c.choices and c.choices[0].delta.content]
+    assert "".join(pieces) == "The answer is 42." and len(pieces) > 3
+    httpx.post(f"{gw.url}/rl/end_session", headers=session_headers(session["api_key"]))
+
+
+def test_areal_flow_at_the_root_base_url_with_refresh(gw):
+    session = gw.start_session("areal")
+    root = client(gw, session["api_key"], root=True)  # AReaL clients use the gateway root
+    reply = root.chat.completions.create(model="default", messages=ask("What is 9 - 4?"), max_tokens=8)
+    assert reply.usage.completion_tokens > 0
+    refreshed = gw.start_session("areal", api_key=session["api_key"])
+    assert refreshed["api_key"] == session["api_key"] and refreshed["session_id"] != session["session_id"]
+    [old] = [r for r in gw.trajectories() if r["session_id"] == session["session_id"]]
+    assert old["end_reason"] == "refreshed" and old["reward"] == 0.0  # no reward set: 0
+    again = root.chat.completions.create(model="tiny-tools", messages=ask("What is 8 * 8?"), max_tokens=8)
+    assert again.id != reply.id
+    assert httpx.post(f"{gw.url}/rl/end_session", headers=session_headers(session["api_key"])).status_code == 200
+
+
+async def test_async_client_runs_sessions_concurrently(gw):
+    sessions = [gw.start_session(f"async-{i}") for i in range(4)]
+
+    async def episode(session, expression):
+        api = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=session["api_key"], max_retries=0)
+        first = await api.chat.completions.create(model="tiny-tools", messages=ask(f"What is {expression}?"),
+                                                  tools=[CALCULATOR_TOOL], temperature=0, max_tokens=64)
+        call = first.choices[0].message.tool_calls[0]
+        history = ask(f"What is {expression}?") + [first.choices[0].message.model_dump(exclude_none=True),
+                                                   {"role": "tool", "tool_call_id": call.id, "content": "ok"}]
+        await api.chat.completions.create(model="tiny-tools", messages=history, tools=[CALCULATOR_TOOL],
+                                          temperature=0, max_tokens=16)
+        async with httpx.AsyncClient() as http:
+            response = await http.post(f"{gw.url}/rl/end_session", headers=session_headers(session["api_key"]))
+        return response.json()["interaction_count"]
+
+    counts = await asyncio.gather(*[episode(s, e) for s, e in zip(sessions, ["6 * 7", "9 - 4", "8 * 8", "3 * 14"])])
+    assert counts == [2, 2, 2, 2]
+    records = {r["session_id"]: r for r in gw.trajectories()}
+    for session in sessions:
+        assert len(records[session["session_id"]]["interaction_ids"]) == 2  # one branch per episode
+
+
+def test_rewards_on_chosen_turns_are_discounted_backwards(gw):
+    session = gw.start_session("discount")
+    api, key = client(gw, session["api_key"]), session["api_key"]
+    messages = ask("What is 3 * 14?")
+    ids = []
+    for follow_up in ["thanks", "and again?"]:
+        reply = api.chat.completions.create(model="tiny-tools", messages=messages, max_tokens=6, temperature=0)
+        ids.append(reply.id)
+        messages = messages + [reply.choices[0].message.model_dump(exclude_none=True),
+                               {"role": "user", "content": follow_up}]
+    reply = api.chat.completions.create(model="tiny-tools", messages=messages, max_tokens=6, temperature=0)
+    ids.append(reply.id)
+    for reward, target in ((2.0, ids[0]), (4.0, None)):  # the first turn by id, the last by default
+        body = {"reward": reward} | ({"interaction_id": target} if target else {})
+        assert httpx.post(f"{gw.url}/rl/set_reward", json=body, headers=session_headers(key)).status_code == 200
+    httpx.post(f"{gw.url}/rl/end_session", headers=session_headers(key))
+    [record] = [r for r in gw.trajectories() if r["session_id"] == session["session_id"]]
+    assert record["interaction_ids"] == ids
+    # G3 = 4; G2 = 0 + 0.5 * 4 = 2; G1 = 2 + 0.5 * 2 = 3
+    assert record["rewards"] == [3.0, 2.0, 4.0] and record["reward"] == 3.0
+
+
+def test_sampling_parameters_reach_the_engine(gw):
+    session = gw.start_session("params")
+    api = client(gw, session["api_key"])
+    two = api.chat.completions.create(model="tiny-tools", messages=ask("Hello"), n=2, seed=3, temperature=1.0,
+                                      max_tokens=12, logprobs=True, top_logprobs=3)
+    assert len(two.choices) == 2 and two.choices[0].message.content != two.choices[1].message.content
+    for choice in two.choices:
+        entries = choice.logprobs.content
+        assert len(entries) == 12 or choice.finish_reason == "stop"
+        assert all(len(e.top_logprobs) == 3 and e.logprob <= 0 for e in entries)
+    again = api.chat.completions.create(model="tiny-tools", messages=ask("Hello"), n=2, seed=3, temperature=1.0,
+                                        max_tokens=12)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in two.choices]
+    short = api.chat.completions.create(model="tiny-tools", messages=ask(), max_completion_tokens=3, temperature=0)
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3
+    stopped = api.chat.completions.create(model="tiny-tools", messages=ask("What is 6 * 7?"), temperature=0,
+                                          tools=[CALCULATOR_TOOL], max_tokens=64, stop=["calculator"])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert "calculator" not in stopped.choices[0].message.content
+    assert stopped.choices[0].message.content == '<tool_call>{"name": "'  # cut before the stop string
+    httpx.post(f"{gw.url}/rl/end_session", headers=session_headers(session["api_key"]))
+
+
+def test_legacy_completions_with_text_and_token_ids(gw):
+    session = gw.start_session("completions")
+    api = client(gw, session["api_key"])
+    text = api.completions.create(model="tiny-tools", prompt="Hello", max_tokens=5, logprobs=2, temperature=0)
+    assert len(text.choices[0].logprobs.tokens) == 5
+    tokens = api.completions.create(model="tiny-tools", prompt=[5, 6, 7, 8], max_tokens=4, temperature=0)
+    assert tokens.usage.prompt_tokens == 4 and tokens.choices[0].finish_reason in ("length", "stop")
+    ended = httpx.post(f"{gw.url}/rl/end_session", headers=session_headers(session["api_key"])).json()
+    assert ended["interaction_count"] == 2
+
+
+def test_trajectories_since_and_loading_with_pandas(gw):
+    import pandas as pd
+
+    everything = gw.trajectories()
+    assert everything and [r["seq"] for r in everything] == list(range(1, len(everything) + 1))
+    assert [r["seq"] for r in gw.trajectories(since=everything[-1]["seq"] - 1)] == [everything[-1]["seq"]]
+    files = sorted((gw.run_dir / "trajectories").glob("*.jsonl"))
+    frame = pd.concat([pd.read_json(f, lines=True) for f in files])
+    assert len(frame) == len(everything)
+    assert {"session_id", "task_id", "interaction_ids", "rewards", "input_ids", "loss_mask", "logprobs",
+            "versions"} <= set(frame.columns)
+
+
+def test_errors_say_what_was_wrong(gw):
+    session = gw.start_session("errors")
+    key = session["api_key"]
+    chat = f"{gw.url}/v1/chat/completions"
+    body = {"model": "tiny-tools", "messages": ask(), "max_tokens": 2}
+
+    def post(url=chat, json_body=body, headers=None, content=None):
+        headers = {"content-type": "application/json", **(headers or {})}
+        return httpx.post(url, json=json_body if content is None else None, content=content, headers=headers)
+
+    def error(response):
+        return response.status_code, response.json()["error"]["message"]
+
+    assert error(post())[0] == 401 and "missing API key" in error(post())[1]
+    assert error(post(headers={"Authorization": "Basic abc"}))[0] == 401
+    assert error(post(headers=session_headers("rlg-not-a-real-key")))[0] == 401
+    status, message = error(post(headers=gw.admin))
+    assert status == 400 and "admin key is not a session key" in message
+    status, message = error(post(json_body={**body, "model": "gpt-4o"}, headers=session_headers(key)))
+    assert status == 404 and "tiny-tools" in message
+    status, message = error(post(json_body={**body, "logit_bias": {"5": 3}}, headers=session_headers(key)))
+    assert status == 400 and "logit_bias" in message
+    status, message = error(post(json_body={**body, "response_format": {"type": "json_object"}},
+                                 headers=session_headers(key)))
+    assert status == 400 and "response_format" in message
+    status, message = error(post(json_body={"model": "tiny-tools"}, headers=session_headers(key)))
+    assert status == 422 and "messages" in message
+    status, message = error(post(json_body={**body, "messages": [{"role": "robot", "content": "x"}]},
+                                 headers=session_headers(key)))
+    assert status == 422 and "messages.0" in message
+    status, message = error(post(content=b'{"model": "tiny-tools", "messages": [', headers=session_headers(key)))
+    assert status == 422 and "not valid JSON" in message
+    status, message = error(post(json_body={**body, "messages": ask("x" * 70_000)}, headers=session_headers(key)))
+    assert status == 413 and "65536" in message
+    status, message = error(post(json_body={**body, "max_tokens": 10**9}, headers=session_headers(key)))
+    assert status == 400 and "max_tokens" in message
+    status, message = error(post(json_body={**body, "messages": ask("x" * 5000)}, headers=session_headers(key)))
+    assert status == 400 and "context" in message
+    reward = f"{gw.url}/rl/set_reward"
+    status, message = error(httpx.post(reward, json={"reward": 1.0}, headers=session_headers(key)))
+    assert status == 409 and "no completions" in message
+    assert post(headers=session_headers(key)).status_code == 200
+    status, message = error(httpx.post(reward, json={"reward": 1.0, "interaction_id": "chatcmpl-nope"},
+                                       headers=session_headers(key)))
+    assert status == 404 and "chatcmpl-nope" in message
+    assert error(httpx.post(reward, json={"reward": "lots"}, headers=session_headers(key)))[0] == 422
+    assert httpx.post(f"{gw.url}/rl/end_session", headers=session_headers(key)).status_code == 200
+    status, message = error(post(headers=session_headers(key)))
+    assert status == 410 and "ended" in message
+    assert error(httpx.post(f"{gw.url}/rl/end_session", headers=session_headers(key)))[0] == 410
+    assert error(httpx.post(f"{gw.url}/rl/start_session", json={"task_id": "x"},
+                            headers=session_headers("wrong")))[0] == 401
+
+
+def test_session_keys_never_reach_disk(gw):
+    session = gw.start_session("secrets")
+    client(gw, session["api_key"]).chat.completions.create(model="tiny-tools", messages=ask(), max_tokens=2)
+    httpx.post(f"{gw.url}/rl/end_session", headers=session_headers(session["api_key"]))
+    for path in gw.run_dir.rglob("*"):
+        if path.is_file():
+            text = path.read_text(errors="replace")
+            assert session["api_key"] not in text and gw.admin_key not in text
