@@ -40,6 +40,7 @@ parity: install
 
 bench: install
 	$(PY) bench/engine.py
+	$(PY) bench/gateway.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs

@@ -147,6 +147,7 @@ class _Turn:
         self.messages_key, self.use_tools = messages_key, use_tools
         self.id = "chatcmpl-" + secrets.token_hex(12)
         self.created = int(time.time())
+        self.recorded = False
 
     def _answer(self, text: str):
         """(content, tool calls) as returned to the client."""
@@ -189,6 +190,7 @@ class _Turn:
             choices.append(Choice(index=c.index, message=message, finish_reason=self._finish_reason(c, calls),
                                   logprobs=logprobs))
         await self.g._call(self.g.sessions.record.remote(self.session_id, interactions))
+        self.recorded = True
         generated = sum(len(c.token_ids) for c in completions)
         return ChatCompletion(
             id=self.id, object="chat.completion", created=self.created, model=self.request.model, choices=choices,
@@ -253,6 +255,7 @@ class _Turn:
                 yield self._chunk([ChunkChoice(index=i, delta=ChoiceDelta(),
                                                finish_reason=self._finish_reason(completion, calls))])
             await self.g._call(self.g.sessions.record.remote(self.session_id, interactions))
+            self.recorded = True
             generated = sum(len(c.token_ids) for c in done)
             yield self._chunk([], usage=CompletionUsage(prompt_tokens=len(self.prompt_ids),
                                                         completion_tokens=generated,
@@ -263,6 +266,9 @@ class _Turn:
             body = {"error": {"message": err.message, "type": _ERROR_TYPES.get(status, "server_error"),
                               "code": status}}
             yield f"data: {json.dumps(body)}\n\n"
+        finally:  # also when the client goes away mid-stream
+            if not self.recorded:
+                self.g.sessions.abandon.remote(self.session_id)
 
 
 @serve.deployment(name="Gateway", max_ongoing_requests=2048, health_check_period_s=10)
@@ -445,29 +451,34 @@ class Gateway:
                                  f"{self.settings.gateway.max_messages}", param="messages")
         messages = [m.for_template() for m in request.messages]
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+        top = (request.top_logprobs or 0) if request.logprobs else 0
+        params = self._sampling(request, request.max_completion_tokens or request.max_tokens, top)
         keys = exchange_keys(messages, tools)
         candidates = [keys[i] for i, m in enumerate(messages) if m["role"] == "assistant"]
         session_id, parent = await self._call(self.sessions.begin.remote(key_hash, candidates))
-        prompt_ids = None
-        if parent is not None:
-            prompt_ids = self.renderer.continuation_ids(
-                messages, tools, keys.index(parent.key), parent.sequence, parent.last_token
-            )
-        parent_id = parent.interaction_id if parent is not None and prompt_ids is not None else None
-        if prompt_ids is None:
-            try:
-                prompt_ids = self.renderer.prompt_ids(messages, tools)
-            except Exception as err:  # the model's own template refused these messages
-                raise HTTPError(400, f"the chat template cannot render these messages: {err}",
-                                param="messages") from None
-        self._check_prompt(prompt_ids)
-        top = (request.top_logprobs or 0) if request.logprobs else 0
-        params = self._sampling(request, request.max_completion_tokens or request.max_tokens, top)
-        use_tools = self.tool_parser is not None and tools is not None and request.tool_choice != "none"
-        turn = _Turn(self, request, session_id, prompt_ids, parent_id, keys[-1], use_tools)
-        if request.stream:
-            return StreamingResponse(turn.stream(params), media_type="text/event-stream")
-        return await turn.complete(params)
+        turn = None
+        try:  # from here the request is in flight in its session until recorded or abandoned
+            prompt_ids = None
+            if parent is not None:
+                prompt_ids = self.renderer.continuation_ids(
+                    messages, tools, keys.index(parent.key), parent.sequence, parent.last_token
+                )
+            parent_id = parent.interaction_id if parent is not None and prompt_ids is not None else None
+            if prompt_ids is None:
+                try:
+                    prompt_ids = self.renderer.prompt_ids(messages, tools)
+                except Exception as err:  # the model's own template refused these messages
+                    raise HTTPError(400, f"the chat template cannot render these messages: {err}",
+                                    param="messages") from None
+            self._check_prompt(prompt_ids)
+            use_tools = self.tool_parser is not None and tools is not None and request.tool_choice != "none"
+            turn = _Turn(self, request, session_id, prompt_ids, parent_id, keys[-1], use_tools)
+            if request.stream:
+                return StreamingResponse(turn.stream(params), media_type="text/event-stream")  # the stream owns it now
+            return await turn.complete(params)
+        finally:
+            if turn is None or not (turn.recorded or request.stream):
+                self.sessions.abandon.remote(session_id)
 
     @app.post("/v1/completions")
     @app.post("/completions")
@@ -485,9 +496,13 @@ class Gateway:
         self._check_prompt(prompt_ids)
         if request.stream:
             raise HTTPError(400, "'stream' is supported on /v1/chat/completions only", param="stream")
-        session_id, _ = await self._call(self.sessions.begin.remote(key_hash, []))
         params = self._sampling(request, request.max_tokens, request.logprobs or 0)
-        completions = await _collect(self._generate(prompt_ids, params), params.n)
+        session_id, _ = await self._call(self.sessions.begin.remote(key_hash, []))
+        try:
+            completions = await _collect(self._generate(prompt_ids, params), params.n)
+        except BaseException:
+            self.sessions.abandon.remote(session_id)
+            raise
         completion_id = "cmpl-" + secrets.token_hex(12)
         interactions = [
             Interaction(id=_choice_id(completion_id, c.index), prompt_ids=prompt_ids, completion_ids=c.token_ids,

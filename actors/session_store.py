@@ -67,6 +67,9 @@ class SessionStore:
     async def record(self, session_id: str, interactions: list[Interaction]) -> None:
         self.manager.record(session_id, interactions)
 
+    async def abandon(self, session_id: str) -> None:
+        self.manager.abandon(session_id)
+
     async def set_reward(self, key_hash: str, reward: float, interaction_id: str | None) -> str:
         return self.manager.set_reward(key_hash, reward, interaction_id)
 

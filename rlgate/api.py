@@ -147,7 +147,7 @@ class CompletionRequest(_Sampling):
 _NEUTRAL = {
     "frequency_penalty": 0.0,
     "presence_penalty": 0.0,
-    "logit_bias": None,
+    "logit_bias": (None, {}),
     "parallel_tool_calls": (None, True),
     "echo": False,
     "best_of": (None, 1),

@@ -101,5 +101,9 @@ class ChatRenderer:
         if not full.startswith(prefix) or not prefix.endswith(self.turn_tail):
             return None
         produced = self.tokenizer.decode(ended_with, skip_special_tokens=False) if ended_with else ""
-        tail = self.turn_tail[len(produced) :] if produced and self.turn_tail.startswith(produced) else self.turn_tail
+        # Drop what the completion already produced (its end-of-turn token) from the
+        # tail, but only if it is that very token, not text that merely looks alike.
+        same_token = self.encode(self.turn_tail)[: len(ended_with)] == list(ended_with)
+        produced_tail = produced and same_token and self.turn_tail.startswith(produced)
+        tail = self.turn_tail[len(produced) :] if produced_tail else self.turn_tail
         return earlier + self.encode(tail + full[len(prefix) :])

@@ -35,6 +35,7 @@ class TextStream:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.sent = 0
+        self.stops = [s for s in stops if s]
         self.hold = max((len(s) for s in stops), default=1) - 1
 
     def _text(self) -> str:
@@ -46,6 +47,10 @@ class TextStream:
         if text.endswith("\ufffd"):  # a multi-byte character not yet complete
             return ""
         safe = len(text) - self.hold
+        for stop in self.stops:  # never send a stop string, nor what follows it
+            at = text.find(stop)
+            if at != -1:
+                safe = min(safe, at)
         if safe <= self.sent:
             return ""
         delta, self.sent = text[self.sent : safe], safe

@@ -24,6 +24,10 @@ from typing import Protocol
 
 from rlgate.trajectory import ExportStyle, Interaction, SessionTrajectory
 
+# A request still generating keeps its session from idling out, but no longer
+# than this: a gateway that died mid-request must not pin a session forever.
+MAX_REQUEST_S = 900.0
+
 
 class SessionError(Exception):
     """A request the session layer refuses; carries the HTTP status to answer with."""
@@ -50,6 +54,10 @@ class Session:
     created_at: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)
     ending: bool = False
+    requests: list[float] = field(default_factory=list)  # start times of requests in flight
+
+    def busy(self, now: float) -> bool:
+        return any(now - started < MAX_REQUEST_S for started in self.requests)
 
 
 @dataclass
@@ -82,6 +90,7 @@ class SessionManager:
         self._by_key: dict[str, str] = {}  # key hash -> live session id
         self._ended: dict[str, float] = {}  # key hash -> when its last session ended (for 410)
         self._refreshing: set[str] = set()
+        self._closing: set[str] = set()  # key hashes whose session is being exported now
         self.counters = {"started": 0, "ended": 0, "expired": 0, "refreshed": 0, "rejected": 0, "exported": 0}
 
     # --- lifecycle ----------------------------------------------------------
@@ -94,7 +103,7 @@ class SessionManager:
                 self.counters["rejected"] += 1
                 raise SessionError(429, "no capacity for a new session now; retry later", self.retry_after_s)
             return self._open(task_id, key_hash)
-        if refresh_key_hash in self._refreshing:
+        if refresh_key_hash in self._refreshing or refresh_key_hash in self._closing:
             raise SessionError(409, "this key is already being refreshed by another request")
         if refresh_key_hash not in self._by_key and refresh_key_hash not in self._ended:
             raise SessionError(401, "unknown api_key: refresh takes a key returned by /rl/start_session")
@@ -139,6 +148,7 @@ class SessionManager:
         session = self.sessions[session_id]
         self._by_key.pop(session.key_hash, None)
         session.ending = True
+        self._closing.add(session.key_hash)
         records = [
             {**asdict(sample), "end_reason": reason}
             for sample in session.trajectory.export(self.export_style, self.turn_discount)
@@ -150,6 +160,8 @@ class SessionManager:
             session.ending = False
             self._by_key[session.key_hash] = session_id
             raise SessionError(503, f"could not save the trajectory ({err}); the session is still open, retry") from err
+        finally:
+            self._closing.discard(session.key_hash)
         del self.sessions[session_id]
         self._ended[session.key_hash] = time.time()
         self.counters["exported"] += len(records)
@@ -158,13 +170,19 @@ class SessionManager:
 
     async def expire_idle(self) -> int:
         """End every session idle past the timeout; return how many."""
-        cutoff = time.monotonic() - self.session_timeout_s
-        idle = [s.id for s in self.sessions.values() if s.last_active < cutoff and not s.ending]
+        now = time.monotonic()
+        cutoff = now - self.session_timeout_s
+        idle = [s.id for s in self.sessions.values() if s.last_active < cutoff and not s.ending and not s.busy(now)]
+        ended = 0
         for session_id in idle:
             if session_id in self.sessions and not self.sessions[session_id].ending:
-                await self._end(session_id, reason="timeout")
+                try:
+                    await self._end(session_id, reason="timeout")
+                except SessionError:
+                    continue  # still open; the next sweep retries it
                 self.counters["expired"] += 1
-        return len(idle)
+                ended += 1
+        return ended
 
     async def close_all(self, reason: str = "shutdown") -> None:
         for session_id in [s.id for s in self.sessions.values() if not s.ending]:
@@ -175,6 +193,8 @@ class SessionManager:
     def _live(self, key_hash: str) -> Session:
         session_id = self._by_key.get(key_hash)
         if session_id is None:
+            if key_hash in self._closing:
+                raise SessionError(409, "this session is being ended right now; retry")
             if key_hash in self._ended:
                 raise SessionError(410, "this session has ended; start a new one with /rl/start_session")
             raise SessionError(401, "invalid API key")
@@ -183,8 +203,10 @@ class SessionManager:
         return session
 
     def begin(self, key_hash: str, candidate_keys: list[str]) -> tuple[str, Parent | None]:
-        """Authenticate a request and find the earlier exchange it continues."""
+        """Authenticate a request and find the earlier exchange it continues.
+        The request counts as in flight until ``record`` or ``abandon``."""
         session = self._live(key_hash)
+        session.requests.append(time.monotonic())
         parent = session.trajectory.find(candidate_keys)
         if parent is None:
             return session.id, None
@@ -194,9 +216,19 @@ class SessionManager:
         session = self.sessions.get(session_id)
         if session is None or session.ending:
             raise SessionError(410, "the session ended while this completion was generated; it was not recorded")
-        for interaction in interactions:
-            session.trajectory.add(interaction)
-        session.last_active = time.monotonic()
+        try:
+            for interaction in interactions:
+                session.trajectory.add(interaction)
+        finally:
+            self.abandon(session_id)
+
+    def abandon(self, session_id: str) -> None:
+        """A request that ``begin`` admitted is over without a recorded completion."""
+        session = self.sessions.get(session_id)
+        if session is not None:
+            if session.requests:
+                session.requests.pop(0)
+            session.last_active = time.monotonic()
 
     def set_reward(self, key_hash: str, reward: float, interaction_id: str | None) -> str:
         session = self._live(key_hash)

@@ -92,6 +92,8 @@ class SessionTrajectory:
         if interaction.id in self.interactions:
             raise ValueError(f"interaction {interaction.id} already recorded")
         if interaction.parent is not None:
+            if interaction.parent not in self.interactions:
+                raise ValueError(f"unknown parent interaction {interaction.parent!r}")
             parent = self.interactions[interaction.parent]
             if interaction.prompt_ids[: len(parent.sequence)] != parent.sequence:
                 raise ValueError("a continuation must start with its parent's prompt and completion ids")

@@ -1,0 +1,210 @@
+"""Gateway benchmark: rlgate (sessions and recording on) against vLLM's own
+OpenAI server on the same model, prompts, max_tokens and concurrency, in one run.
+
+    python bench/gateway.py [--model smollm2-135m-instruct] [--concurrency 1 8 32] [--requests 4]
+
+Each of ``c`` concurrent clients sends ``--requests`` chat completions back to
+back (greedy, so both servers generate the same tokens). Through rlgate each
+client is one session (start_session, chats with its key, end_session), so
+every completion is rendered, generated, recorded and exported. Prints
+requests/s, p50/p99 latency and the ratio rlgate/vLLM. The two servers run one
+after the other, never together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+
+from rlgate.models import prepare_model  # noqa: E402
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colours.",
+    "Give me a synonym for happy.",
+    "What is 12 times 12?",
+    "Write a haiku about the sea.",
+    "Why is the sky blue?",
+    "List two uses of a paperclip.",
+    "What does CPU stand for?",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+async def drive(base_url: str, keys: list[str], model: str, requests: int, max_tokens: int):
+    """Run len(keys) clients concurrently; return (latencies, seconds, completion tokens)."""
+    latencies: list[float] = []
+    tokens = 0
+
+    async def client(index: int, key: str) -> None:
+        nonlocal tokens
+        api = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=600)
+        for r in range(requests):
+            question = QUESTIONS[(index + r) % len(QUESTIONS)]
+            started = time.perf_counter()
+            reply = await api.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": question}], max_tokens=max_tokens, temperature=0
+            )
+            latencies.append(time.perf_counter() - started)
+            tokens += reply.usage.completion_tokens
+        await api.close()
+
+    started = time.perf_counter()
+    await asyncio.gather(*[client(i, key) for i, key in enumerate(keys)])
+    return latencies, time.perf_counter() - started, tokens
+
+
+def summarise(latencies, seconds, tokens) -> dict:
+    ordered = sorted(latencies)
+    return {
+        "requests_per_s": len(latencies) / seconds,
+        "tokens_per_s": tokens / seconds,
+        "p50_s": statistics.median(ordered),
+        "p99_s": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+        "requests": len(latencies),
+    }
+
+
+def bench_vllm_server(model_path: Path, levels, requests, max_tokens) -> dict:
+    """vLLM's OpenAI server with the engine settings rlgate uses on this machine."""
+    import torch
+
+    from rlgate.engines.vllm import cpu_environment_defaults
+
+    port = free_port()
+    env = dict(os.environ)
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
+               "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", "float32", "--max-model-len", "2048", "--disable-log-stats"]
+    if not torch.cuda.is_available():
+        env.update({k: v for k, v in cpu_environment_defaults().items() if k not in env})
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        command += ["--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048"]
+    log = tempfile.NamedTemporaryFile(prefix="vllm-serve-", suffix=".log", delete=False)
+    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                raise RuntimeError(f"vllm serve exited; see {log.name}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        asyncio.run(drive(f"{url}/v1", ["none"], "bench", 1, 4))  # warm-up
+        return {c: summarise(*asyncio.run(drive(f"{url}/v1", ["none"] * c, "bench", requests, max_tokens)))
+                for c in levels}
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def bench_rlgate(model: str, levels, requests, max_tokens) -> dict:
+    """rlgate's gateway and RolloutServer on local Ray, sessions and recording on."""
+    import secrets
+
+    import ray
+    from ray import serve
+
+    from rlgate.config import parse_config
+    from rlgate.sessions import hash_key
+    from serve_app import build_app
+
+    admin = secrets.token_hex(16)
+    run_dir = tempfile.mkdtemp(prefix="rlgate-bench-")
+    config = parse_config({
+        "model": {"name": model},
+        "rollout": {"max_model_len": 2048, "kv_cache_gib": 1.0},
+        "gateway": {"run_dir": run_dir, "run_name": "bench", "max_concurrent": 256},
+    })
+    port = free_port()
+    ray.init(include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+    serve.run(build_app(config, hash_key(admin)), name="bench", route_prefix="/",
+              logging_config={"enable_access_log": False})
+    url = f"http://127.0.0.1:{port}"
+    headers = {"Authorization": f"Bearer {admin}"}
+
+    def sessions(count):
+        return [httpx.post(f"{url}/rl/start_session", json={"task_id": "bench"}, headers=headers).json()["api_key"]
+                for _ in range(count)]
+
+    def end(keys):
+        for key in keys:
+            httpx.post(f"{url}/rl/end_session", headers={"Authorization": f"Bearer {key}"})
+
+    try:
+        warm = sessions(1)
+        asyncio.run(drive(f"{url}/v1", warm, model, 1, 4))
+        end(warm)
+        results = {}
+        for c in levels:
+            keys = sessions(c)
+            results[c] = summarise(*asyncio.run(drive(f"{url}/v1", keys, model, requests, max_tokens)))
+            end(keys)
+        exported = httpx.get(f"{url}/rl/status", headers=headers).json()["trajectories"]["trajectories"]
+        results["trajectories_saved"] = exported
+        return results
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--requests", type=int, default=4, help="requests per client")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    from rich.console import Console
+    from rich.table import Table
+
+    path = prepare_model(args.model)
+    peer = bench_vllm_server(path, args.concurrency, args.requests, args.max_tokens)
+    ours = bench_rlgate(args.model, args.concurrency, args.requests, args.max_tokens)
+    expected = sum(args.concurrency) * args.requests + 1  # + the warm-up session
+    table = Table(title=f"chat completions, {args.model}, max_tokens={args.max_tokens}, greedy, {os.cpu_count()} CPUs")
+    for column in ("concurrency", "server", "req/s", "tok/s", "p50 s", "p99 s", "rlgate / vLLM req/s"):
+        table.add_column(column, justify="right")
+    for c in args.concurrency:
+        for name, result in (("vllm serve", peer[c]), ("rlgate gateway", ours[c])):
+            ratio = f"{ours[c]['requests_per_s'] / peer[c]['requests_per_s']:.2f}" if name.startswith("rlgate") else ""
+            table.add_row(str(c), name, f"{result['requests_per_s']:.2f}", f"{result['tokens_per_s']:.0f}",
+                          f"{result['p50_s']:.2f}", f"{result['p99_s']:.2f}", ratio)
+    console = Console(width=140)
+    console.print(table)
+    console.print(f"trajectories saved by rlgate: {ours['trajectories_saved']} (expected {expected})")
+    if args.json:
+        args.json.write_text(json.dumps({"vllm": peer, "rlgate": ours}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

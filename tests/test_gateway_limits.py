@@ -1,0 +1,147 @@
+"""Capacity, refresh races, idle timeouts and a crashed engine, over real HTTP
+(a second small gateway app: max 2 sessions, 6 s idle timeout)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.conftest import start_gateway
+
+SETTINGS = {
+    "model": {"name": "tiny-random"},
+    "rollout": {"max_model_len": 512, "kv_cache_gib": 0.25},
+    "gateway": {"max_concurrent": 2, "session_timeout_s": 6.0, "refresh_timeout_s": 1.0},
+}
+
+
+@pytest.fixture(scope="module")
+def small(ray_session, tmp_path_factory):
+    from ray import serve
+
+    app = start_gateway(ray_session, tmp_path_factory, "gw-small", SETTINGS)
+    yield app
+    serve.delete("gw-small")
+
+
+@pytest.fixture
+def clean(small):
+    """Each test starts with no open sessions and leaves none behind."""
+    yield small
+    status = httpx.get(f"{small.url}/rl/status", headers=small.admin).json()
+    assert status["sessions"]["open_sessions"] == 0, "a test left sessions open"
+
+
+def end(app, key) -> int:
+    return httpx.post(f"{app.url}/rl/end_session", headers={"Authorization": f"Bearer {key}"}).status_code
+
+
+def chat(app, key, **extra):
+    api = openai.OpenAI(base_url=f"{app.url}/v1", api_key=key, max_retries=0)
+    return api.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=4, **extra)
+
+
+def open_sessions(app) -> int:
+    return httpx.get(f"{app.url}/rl/status", headers=app.admin).json()["sessions"]["open_sessions"]
+
+
+def test_no_capacity_is_a_429_with_retry_after_then_recovers(clean):
+    first, second = clean.start_session(), clean.start_session()
+    refused = httpx.post(f"{clean.url}/rl/start_session", json={"task_id": "t"}, headers=clean.admin)
+    assert refused.status_code == 429
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert "no capacity" in refused.json()["error"]["message"]
+    assert end(clean, first["api_key"]) == 200
+    third = clean.start_session()
+    for session in (second, third):
+        assert end(clean, session["api_key"]) == 200
+
+
+def test_refresh_without_capacity_says_the_old_session_was_ended(clean, ray_session):
+    capacity = ray_session.get_actor("rlgate-gw-small-capacity", namespace="rlgate")
+    a, b = clean.start_session(), clean.start_session()
+    chat(clean, a["api_key"])
+    ray_session.get(capacity.grant.remote(1, 0))  # a trainer attaches with batch 1: no room left
+    try:
+        refused = httpx.post(f"{clean.url}/rl/start_session", json={"task_id": "t", "api_key": a["api_key"]},
+                             headers=clean.admin, timeout=30)
+        assert refused.status_code == 429
+        assert "previous session of this key was ended and exported" in refused.json()["error"]["message"]
+        [record] = [r for r in clean.trajectories() if r["session_id"] == a["session_id"]]
+        assert record["end_reason"] == "refreshed"
+    finally:
+        ray_session.get(capacity.detach.remote())
+    again = clean.start_session(api_key=a["api_key"])  # the same key starts afresh once capacity is back
+    assert again["api_key"] == a["api_key"]
+    for key in (a["api_key"], b["api_key"]):
+        assert end(clean, key) == 200
+
+
+def test_concurrent_refreshes_of_one_key_never_give_two_sessions(clean):
+    session = clean.start_session()
+    chat(clean, session["api_key"])
+
+    def refresh(_):
+        return httpx.post(f"{clean.url}/rl/start_session", json={"task_id": "t", "api_key": session["api_key"]},
+                          headers=clean.admin, timeout=30).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(refresh, range(8)))
+    assert 200 in codes and set(codes) <= {200, 409, 429}
+    assert open_sessions(clean) == 1  # exactly one live session for the key
+    assert chat(clean, session["api_key"]).usage.completion_tokens > 0
+    assert end(clean, session["api_key"]) == 200
+
+
+def test_idle_sessions_are_ended_and_exported(clean):
+    session = clean.start_session("idle")
+    chat(clean, session["api_key"])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        records = [r for r in clean.trajectories() if r["session_id"] == session["session_id"]]
+        if records:
+            break
+        time.sleep(0.5)
+    assert records and records[0]["end_reason"] == "timeout"
+    with pytest.raises(openai.APIStatusError) as gone:
+        chat(clean, session["api_key"])
+    assert gone.value.status_code == 410
+
+
+def _engine_processes():
+    """vLLM's engine processes under the gw-small RolloutServer replica (Ray titles
+    an actor's worker process after its class)."""
+    [replica] = [p for p in psutil.process_iter(["cmdline"])
+                 if "ServeReplica:gw-small:RolloutServer" in " ".join(p.info["cmdline"] or [])]
+    return replica.children(recursive=True)
+
+
+def test_a_crashed_engine_gives_503_then_serve_replaces_it(clean):
+    session = clean.start_session("crash")
+    children = _engine_processes()
+    assert children, "expected vLLM's engine processes under the replica"
+    for child in children:
+        child.send_signal(signal.SIGKILL)
+    with pytest.raises(openai.APIStatusError) as down:
+        chat(clean, session["api_key"])
+    assert down.value.status_code == 503 and "rollout engine" in down.value.message
+    # Serve's health check finds the dead engine and replaces the replica; the session survives.
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if chat(clean, session["api_key"]).usage.completion_tokens > 0:
+                break
+        except openai.APIStatusError as err:
+            assert err.status_code == 503
+        time.sleep(2)
+    else:
+        pytest.fail("the engine did not come back within 300 s")
+    assert httpx.get(f"{clean.url}/health").json()["status"] == "ok"
+    assert end(clean, session["api_key"]) == 200
