@@ -111,6 +111,9 @@ def main() -> None:
     port = args.port or config.gateway.port
     config.gateway.host, config.gateway.port = host, port
     key, generated = admin_key(host)
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
     ray.init(address=os.environ.get("RAY_ADDRESS"))
     serve.start(http_options={"host": host, "port": port})
@@ -119,9 +122,6 @@ def main() -> None:
     print(f"rlgate: serving {config.served_model_name} at {url} (OpenAI base URL {url}/v1)", flush=True)
     if generated:
         print(f"rlgate: admin key (shown once; set RLGATE_ADMIN_KEY to choose it): {key}", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop.wait()
     serve.shutdown()
 

@@ -122,22 +122,6 @@ def _choice_id(completion_id: str, index: int) -> str:
     return completion_id if index == 0 else f"{completion_id}-{index}"
 
 
-async def _collect(chunks: AsyncIterator, n: int):
-    from rlgate.engines.base import Completion as EngineCompletion
-
-    out = [EngineCompletion(index=i) for i in range(n)]
-    async for chunk in chunks:
-        target = out[chunk.index]
-        target.token_ids += chunk.token_ids
-        target.logprobs += chunk.logprobs
-        target.versions += chunk.versions
-        if chunk.top_logprobs is not None:
-            target.top_logprobs = (target.top_logprobs or []) + chunk.top_logprobs
-        if chunk.finish_reason is not None:
-            target.finish_reason, target.stop_reason = chunk.finish_reason, chunk.stop_reason
-    return out
-
-
 class _Turn:
     """One chat completion request: generate, shape the answer, record the interactions."""
 
@@ -172,7 +156,7 @@ class _Turn:
         return "length" if completion.finish_reason == "length" else "stop"
 
     async def complete(self, params: SamplingParams) -> ChatCompletion:
-        completions = await _collect(self.g._generate(self.prompt_ids, params), params.n)
+        completions = await self.g._generate_all(self.prompt_ids, params)
         choices, interactions = [], []
         for c in completions:
             content, calls = self._answer(visible_text(self.g.tokenizer, c.token_ids, c.stop_reason))
@@ -425,19 +409,30 @@ class Gateway:
             raise HTTPError(400, f"the prompt has {len(prompt_ids)} tokens; the model's context holds {context}",
                             param="messages")
 
+    def _engine_error(self, err: BaseException) -> HTTPError:
+        """An engine failure as the HTTP answer: bad input 400, anything else 503."""
+        cause = _cause(err)
+        if isinstance(cause, EngineInputError):
+            return HTTPError(400, str(cause))
+        if isinstance(err, RayTaskError):
+            return HTTPError(503, f"rollout engine failed: {cause.__class__.__name__}: {cause}")
+        return HTTPError(503, f"rollout engine unavailable: {err.__class__.__name__}")
+
     async def _generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator:
-        """Engine chunks; an engine that is down or gone becomes a 503."""
+        """Engine chunks as they are produced, for streaming responses."""
         stream = self.rollout.options(stream=True).generate.remote(prompt_ids, params.model_dump())
         try:
             async for chunk in stream:
                 yield chunk
-        except RayTaskError as err:
-            cause = _cause(err)
-            if isinstance(cause, EngineInputError):
-                raise HTTPError(400, str(cause)) from None
-            raise HTTPError(503, f"rollout engine failed: {cause.__class__.__name__}: {cause}") from None
-        except (RayActorError, RuntimeError) as err:
-            raise HTTPError(503, f"rollout engine unavailable: {err.__class__.__name__}") from None
+        except (RayTaskError, RayActorError, RuntimeError) as err:
+            raise self._engine_error(err) from None
+
+    async def _generate_all(self, prompt_ids: list[int], params: SamplingParams) -> list:
+        """Whole completions in one engine reply, for non-streaming responses."""
+        try:
+            return await self.rollout.generate_all.remote(prompt_ids, params.model_dump())
+        except (RayTaskError, RayActorError, RuntimeError) as err:
+            raise self._engine_error(err) from None
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
@@ -499,7 +494,7 @@ class Gateway:
         params = self._sampling(request, request.max_tokens, request.logprobs or 0)
         session_id, _ = await self._call(self.sessions.begin.remote(key_hash, []))
         try:
-            completions = await _collect(self._generate(prompt_ids, params), params.n)
+            completions = await self._generate_all(prompt_ids, params)
         except BaseException:
             self.sessions.abandon.remote(session_id)
             raise

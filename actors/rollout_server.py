@@ -17,7 +17,7 @@ from dataclasses import asdict
 from ray import serve
 
 from rlgate.config import RLGateConfig
-from rlgate.engines import Engine, SamplingParams, TokenChunk, make_engine
+from rlgate.engines import Completion, Engine, SamplingParams, TokenChunk, collect, make_engine
 
 
 @serve.deployment(
@@ -48,6 +48,12 @@ class RolloutServer:
         if self.request_log.maxlen:
             self.request_log.append({"prompt_ids": list(prompt_ids), "outputs": [outputs[i] for i in sorted(outputs)]})
 
+    async def generate_all(self, prompt_ids: list[int], params: dict) -> list[Completion]:
+        """Whole completions in one reply: for callers that do not stream, this
+        saves a Ray round trip per token chunk."""
+        sampling = SamplingParams.model_validate(params)
+        return await collect(self.generate(prompt_ids, params), n=sampling.n)
+
     async def recent_requests(self, count: int = 16) -> list[dict]:
         """The last ``count`` finished requests: prompt ids and each output's ids,
         logprobs and versions, as the engine produced them (oldest first)."""
@@ -67,6 +73,8 @@ class RolloutServer:
         return self.engine.version
 
     async def health(self) -> dict:
+        """Engine, model, version, paused, running requests; raises if the engine is dead."""
+        await self.engine.check_alive()
         return asdict(await self.engine.health())
 
     async def check_health(self) -> None:

@@ -132,6 +132,7 @@ def test_a_crashed_engine_gives_503_then_serve_replaces_it(clean):
     with pytest.raises(openai.APIStatusError) as down:
         chat(clean, session["api_key"])
     assert down.value.status_code == 503 and "rollout engine" in down.value.message
+    assert httpx.get(f"{clean.url}/health", timeout=30).status_code == 503
     # Serve's health check finds the dead engine and replaces the replica; the session survives.
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

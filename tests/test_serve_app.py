@@ -1,0 +1,134 @@
+"""Starting the application the ways a user does: `python serve_app.py` and
+`serve run serve_app:app`, each in its own process with its own local Ray
+(HF engine on tiny-random, to start quickly)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    path = tmp_path / "app.toml"
+    path.write_text(
+        '[model]\nname = "tiny-random"\n[rollout]\nengine = "hf"\nmax_model_len = 512\n'
+        f'[gateway]\nrun_dir = "{tmp_path / "runs"}"\nrun_name = "cli"\n'
+    )
+    return path
+
+
+def environment(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RLGATE_ADMIN_KEY")}
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def wait_healthy(url: str, process: subprocess.Popen, seconds: float = 240) -> dict:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "the server exited early"
+        try:
+            response = httpx.get(f"{url}/health", timeout=5)
+            if response.status_code == 200:
+                return response.json()
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    pytest.fail(f"{url} never became healthy")
+
+
+class Output:
+    """Collects a process's output lines as they come."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=lambda: self.lines.extend(process.stdout), daemon=True)
+        self.thread.start()
+
+    def wait_for(self, pattern: str, process: subprocess.Popen, seconds: float = 300) -> str:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if re.search(pattern, line):
+                    return line
+            assert process.poll() is None, "the server exited early:\n" + "".join(self.lines[-40:])
+            time.sleep(0.5)
+        pytest.fail(f"no line matching {pattern!r} within {seconds} s")
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGINT)
+    try:
+        assert process.wait(timeout=120) == 0
+    finally:
+        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
+
+
+@pytest.mark.parametrize("key", ["areal-admin-key", "short-key"])
+def test_weak_admin_keys_are_refused_off_loopback(config_file, key):
+    result = subprocess.run(
+        [sys.executable, "serve_app.py", "--config", str(config_file), "--host", "0.0.0.0"],
+        cwd=ROOT, env=environment(RLGATE_ADMIN_KEY=key), capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode != 0
+    assert "refusing to bind 0.0.0.0 with a weak RLGATE_ADMIN_KEY" in result.stderr
+    assert key not in result.stderr  # the key itself is never echoed
+
+
+@pytest.mark.slow
+def test_python_serve_app_prints_url_and_a_generated_admin_key(config_file):
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "serve_app.py", "--config", str(config_file), "--port", str(port)],
+        cwd=ROOT, env=environment(RAY_AUTH_MODE="disabled"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    output = Output(process)
+    try:
+        output.wait_for(f"rlgate: serving tiny-random at {url}", process)
+        assert wait_healthy(url, process) == {"status": "ok", "workers": 1, "policy_version": 0}
+        key = re.search(r"admin key \(shown once.*?\): (\S+)", output.wait_for("admin key", process)).group(1)
+        assert len(key) >= 32
+        status = httpx.get(f"{url}/rl/status", headers={"Authorization": f"Bearer {key}"})
+        assert status.status_code == 200
+    finally:
+        stop(process)
+
+
+@pytest.mark.slow
+def test_serve_run_serve_app_app(config_file):
+    """`serve run` with an import path serves on Serve's default address, 127.0.0.1:8000."""
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", 8000)) != 0, "port 8000 is taken; `serve run` needs it"
+    key = "a-long-enough-admin-key-for-tests"
+    process = subprocess.Popen(
+        [str(Path(sys.executable).parent / "serve"), "run", "serve_app:app"],
+        cwd=ROOT, env=environment(RLGATE_CONFIG=str(config_file), RLGATE_ADMIN_KEY=key, RAY_AUTH_MODE="disabled"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    url = "http://127.0.0.1:8000"
+    Output(process)  # drain the output so the server never blocks on a full pipe
+    try:
+        wait_healthy(url, process)
+        status = httpx.get(f"{url}/rl/status", headers={"Authorization": f"Bearer {key}"})
+        assert status.status_code == 200 and status.json()["sessions"]["open_sessions"] == 0
+    finally:
+        stop(process)
