@@ -201,15 +201,10 @@ class _Turn:
             for i in range(n):
                 yield self._chunk([ChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=""))])
             async for chunk in self.g._generate(self.prompt_ids, params):
-                i, target = chunk.index, done[chunk.index]
-                target.token_ids += chunk.token_ids
-                target.logprobs += chunk.logprobs
-                target.versions += chunk.versions
-                if chunk.top_logprobs is not None:
-                    target.top_logprobs = (target.top_logprobs or []) + chunk.top_logprobs
+                i = chunk.index
+                done[i].add(chunk)
                 text = texts[i].push(chunk.token_ids)
                 if chunk.finish_reason is not None:
-                    target.finish_reason, target.stop_reason = chunk.finish_reason, chunk.stop_reason
                     text += texts[i].finish(chunk.stop_reason)
                 pieces = calls_stream[i].feed(text) if calls_stream[i] else [text]
                 logprobs = None

@@ -37,16 +37,13 @@ class RolloutServer:
     async def generate(self, prompt_ids: list[int], params: dict) -> AsyncIterator[TokenChunk]:
         """Stream :class:`TokenChunk` deltas; call with ``handle.options(stream=True)``."""
         sampling = SamplingParams.model_validate(params)
-        outputs: dict[int, dict] = {}
+        outputs = [Completion(index=i) for i in range(sampling.n)]
         async for chunk in self.engine.generate(prompt_ids, sampling):
             if self.request_log.maxlen:
-                out = outputs.setdefault(chunk.index, {"token_ids": [], "logprobs": [], "versions": []})
-                out["token_ids"] += chunk.token_ids
-                out["logprobs"] += chunk.logprobs
-                out["versions"] += chunk.versions
+                outputs[chunk.index].add(chunk)
             yield chunk
         if self.request_log.maxlen:
-            self.request_log.append({"prompt_ids": list(prompt_ids), "outputs": [outputs[i] for i in sorted(outputs)]})
+            self.request_log.append({"prompt_ids": list(prompt_ids), "outputs": [asdict(o) for o in outputs]})
 
     async def generate_all(self, prompt_ids: list[int], params: dict) -> list[Completion]:
         """Whole completions in one reply: for callers that do not stream, this

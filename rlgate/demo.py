@@ -1,13 +1,15 @@
-"""``make demo`` (for now): serve the model on Ray and hold a short scripted chat.
+"""``make demo`` (until the trainer lands): one recorded episode, end to end.
 
-Starts local Ray, deploys the RolloutServer through ``serve_app.build_app``,
-renders each turn with the model's chat template (token-in), streams the
-engine's token ids back (token-out) and shows them as they arrive.
+Starts local Ray with the gateway and a rollout engine, opens a session with
+the admin key, holds a short scripted chat through the official ``openai``
+client (streamed token by token), sets a reward, ends the session, and shows
+the trajectory that was saved: exactly the tokens the model saw and sampled.
 """
 
 from __future__ import annotations
 
-import time
+import secrets
+import socket
 
 SCRIPT = [
     "Hi! In one sentence, what is reinforcement learning?",
@@ -16,7 +18,18 @@ SCRIPT = [
 ]
 
 
+def _free_port(preferred: int) -> int:
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", preferred)) != 0:
+            return preferred
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def run_demo(config_path: str, max_tokens: int = 64) -> int:
+    import httpx
+    import openai
     import ray
     from ray import serve
     from rich.console import Console, Group
@@ -25,60 +38,72 @@ def run_demo(config_path: str, max_tokens: int = 64) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
     from rich.text import Text
-    from transformers import AutoTokenizer
 
     from rlgate.config import load_config
-    from rlgate.engines import SamplingParams
-    from serve_app import build_rollout_app, resolve_model
+    from rlgate.sessions import hash_key
+    from serve_app import build_app, resolve_model
 
     console = Console()
     config = load_config(config_path)
     with console.status(f"Preparing model {config.model.name} (built once, then cached)"):
-        model_path = resolve_model(config)
-    with console.status(f"Starting Ray and a {config.rollout.engine} rollout engine (about 30 s on CPU)"):
+        resolve_model(config)
+    port = _free_port(config.gateway.port)
+    url = f"http://127.0.0.1:{port}"
+    admin = {"Authorization": f"Bearer {secrets.token_urlsafe(24)}"}
+    with console.status(f"Starting Ray, a {config.rollout.engine} rollout engine and the gateway (about 30 s on CPU)"):
         ray.init(include_dashboard=False, log_to_driver=False)
-        handle = serve.run(build_rollout_app(config), name="rlgate-demo", route_prefix=None)
-        health = handle.health.remote().result()
-    console.print(f"[green]engine ready[/]: {health['engine']} on {health['model']}, policy version {health['version']}")
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    messages = [{"role": "system", "content": "You are a concise, friendly assistant."}]
-    summary = Table(title="scripted chat", show_lines=False)
-    for column in ("turn", "prompt tokens", "completion tokens", "tokens/s", "mean logprob", "finish"):
-        summary.add_column(column, justify="right")
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+        serve.run(build_app(config, hash_key(admin["Authorization"].split()[1])), name="rlgate-demo", route_prefix="/")
+    health = httpx.get(f"{url}/health").json()
+    console.print(f"[green]gateway ready[/] at {url}: {health}")
     try:
+        session = httpx.post(f"{url}/rl/start_session", json={"task_id": "demo"}, headers=admin).json()
+        console.print(f"session [bold]{session['session_id']}[/] started (the agent gets its own API key)")
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=session["api_key"])
+        messages = [{"role": "system", "content": "You are a concise, friendly assistant."}]
         for turn, question in enumerate(SCRIPT, start=1):
             messages.append({"role": "user", "content": question})
-            prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
             console.print(f"\n[bold cyan]user[/]: {question}")
-            progress = Progress(
-                TextColumn("[magenta]tokens"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
-            )
+            progress = Progress(TextColumn("[magenta]tokens"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                console=console)
             task = progress.add_task("generate", total=max_tokens)
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.95, seed=turn).model_dump()
-            ids, logprobs, finish = [], [], None
-            started = time.perf_counter()
+            reply = ""
             with Live(console=console, refresh_per_second=12) as live:
-                for chunk in handle.options(stream=True).generate.remote(prompt_ids, params):
-                    ids += chunk.token_ids
-                    logprobs += chunk.logprobs
-                    finish = chunk.finish_reason or finish
-                    progress.update(task, completed=len(ids))
-                    text = Text(tokenizer.decode(ids, skip_special_tokens=True))
-                    live.update(Group(Panel(text, title="assistant", border_style="green"), progress))
-            seconds = time.perf_counter() - started
-            reply = tokenizer.decode(ids, skip_special_tokens=True)
+                stream = client.chat.completions.create(model="default", messages=messages, max_tokens=max_tokens,
+                                                        temperature=0.7, top_p=0.95, seed=turn, stream=True)
+                for chunk in stream:
+                    if chunk.usage is not None:
+                        progress.update(task, completed=chunk.usage.completion_tokens)
+                    elif chunk.choices and chunk.choices[0].delta.content:
+                        reply += chunk.choices[0].delta.content
+                        progress.advance(task)
+                    live.update(Group(Panel(Text(reply), title=f"assistant, turn {turn}", border_style="green"),
+                                      progress))
             messages.append({"role": "assistant", "content": reply})
-            summary.add_row(
-                str(turn),
-                str(len(prompt_ids)),
-                str(len(ids)),
-                f"{len(ids) / seconds:.1f}",
-                f"{sum(logprobs) / max(len(logprobs), 1):.3f}",
-                finish or "-",
-            )
-        console.print(summary)
+        key = {"Authorization": f"Bearer {session['api_key']}"}
+        httpx.post(f"{url}/rl/set_reward", json={"reward": 1.0}, headers=key)
+        ended = httpx.post(f"{url}/rl/end_session", headers=key).json()
+        console.print(f"\nreward 1.0 set; {ended['message']} ({ended['interaction_count']} completions)")
+        _show_trajectory(console, Table, httpx.get(f"{url}/rl/trajectories", headers=admin).text, session,
+                         config)
     finally:
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def _show_trajectory(console, Table, lines: str, session: dict, config) -> None:
+    import json
+
+    records = [json.loads(line) for line in lines.splitlines()]
+    records = [r for r in records if r["session_id"] == session["session_id"]]
+    table = Table(title=f"saved trajectory ({config.gateway.export_style} style)")
+    for column in ("sample", "completions", "tokens", "sampled by the model", "reward", "policy versions"):
+        table.add_column(column, justify="right")
+    for record in records:
+        versions = sorted({v for v in record["versions"] if v >= 0})
+        table.add_row(str(record["seq"]), str(len(record["interaction_ids"])), str(len(record["input_ids"])),
+                      str(sum(record["loss_mask"])), f"{record['reward']:.2f}", ", ".join(map(str, versions)))
+    console.print(table)
+    folder = f"{config.gateway.run_dir}/{config.gateway.run_name}/trajectories"
+    console.print(f"Files: {folder}/part-*.jsonl (one JSON record per line; pandas.read_json(path, lines=True))")

@@ -79,20 +79,22 @@ class Completion:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
 
+    def add(self, chunk: TokenChunk) -> None:
+        """Append a chunk of this completion."""
+        self.token_ids += chunk.token_ids
+        self.logprobs += chunk.logprobs
+        self.versions += chunk.versions
+        if chunk.top_logprobs is not None:
+            self.top_logprobs = (self.top_logprobs or []) + chunk.top_logprobs
+        if chunk.finish_reason is not None:
+            self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
+
 
 async def collect(stream: AsyncIterator[TokenChunk], n: int = 1) -> list[Completion]:
     """Drain a chunk stream into ``n`` whole completions."""
     completions = [Completion(index=i) for i in range(n)]
-    for chunk in [c async for c in stream]:
-        target = completions[chunk.index]
-        target.token_ids += chunk.token_ids
-        target.logprobs += chunk.logprobs
-        target.versions += chunk.versions
-        if chunk.top_logprobs is not None:
-            target.top_logprobs = (target.top_logprobs or []) + chunk.top_logprobs
-        if chunk.finish_reason is not None:
-            target.finish_reason = chunk.finish_reason
-            target.stop_reason = chunk.stop_reason
+    async for chunk in stream:
+        completions[chunk.index].add(chunk)
     return completions
 
 
