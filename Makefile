@@ -10,7 +10,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(ENGINE)
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench parity clean
+.PHONY: install test demo bench parity lint clean
 
 install: $(STAMP)
 
@@ -44,3 +44,6 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs
+
+lint: install
+	$(PY) -m ruff check . && $(PY) -m ruff format --check .

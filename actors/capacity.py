@@ -44,7 +44,7 @@ class CapacityActor:
             if self._free() == 0 and timeout_s > 0:
                 try:
                     await asyncio.wait_for(self._changed.wait_for(lambda: self._free() > 0), timeout_s)
-                except asyncio.TimeoutError:  # the builtin TimeoutError only from Python 3.11
+                except TimeoutError:  # the builtin TimeoutError only from Python 3.11
                     pass  # decided below: still no slot
             if self._free() == 0:
                 self.rejected += 1
@@ -107,6 +107,6 @@ def get_or_create_capacity(name: str, namespace: str | None, max_concurrent: int
     An existing actor keeps its settings and counters; call ``set_max_concurrent``
     to change them.
     """
-    return CapacityActor.options(
-        name=name, namespace=namespace, lifetime="detached", get_if_exists=True
-    ).remote(max_concurrent)
+    return CapacityActor.options(name=name, namespace=namespace, lifetime="detached", get_if_exists=True).remote(
+        max_concurrent
+    )

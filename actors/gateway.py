@@ -55,15 +55,23 @@ class HTTPError(Exception):
         self.status, self.message, self.param, self.retry_after = status, message, param, retry_after
 
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                409: "conflict_error", 410: "gone_error", 413: "invalid_request_error",
-                422: "invalid_request_error", 429: "rate_limit_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    410: "gone_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
 def error_response(status: int, message: str, param: str | None = None, retry_after: float | None = None):
     """OpenAI's error shape, so SDKs raise the right exception with our message."""
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param,
-                      "code": status}}
+    body = {
+        "error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param, "code": status}
+    }
     headers = {"Retry-After": str(int(retry_after + 0.999))} if retry_after is not None else None
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -141,12 +149,19 @@ class _Turn:
         return parsed.content, parsed.tool_calls
 
     def _interaction(self, completion, content, calls) -> Interaction:
-        message = {"role": "assistant", "content": content,
-                   "tool_calls": [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+        message = {
+            "role": "assistant",
+            "content": content,
+            "tool_calls": [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls],
+        }
         return Interaction(
-            id=_choice_id(self.id, completion.index), prompt_ids=self.prompt_ids,
-            completion_ids=completion.token_ids, logprobs=completion.logprobs, versions=completion.versions,
-            finish_reason=completion.finish_reason, parent=self.parent_id,
+            id=_choice_id(self.id, completion.index),
+            prompt_ids=self.prompt_ids,
+            completion_ids=completion.token_ids,
+            logprobs=completion.logprobs,
+            versions=completion.versions,
+            finish_reason=completion.finish_reason,
+            parent=self.parent_id,
             key=extend_key(self.messages_key, message),
         )
 
@@ -163,28 +178,48 @@ class _Turn:
             interactions.append(self._interaction(c, content, calls))
             logprobs = None
             if self.request.logprobs:
-                logprobs = ChoiceLogprobs(content=chat_logprobs(self.g.text_of, c.token_ids, c.logprobs,
-                                                                c.top_logprobs))
+                logprobs = ChoiceLogprobs(
+                    content=chat_logprobs(self.g.text_of, c.token_ids, c.logprobs, c.top_logprobs)
+                )
             message = ChatCompletionMessage(
-                role="assistant", content=content,
-                tool_calls=[ChatCompletionMessageToolCall(id=t.id, type="function",
-                                                          function=Function(name=t.name, arguments=t.arguments))
-                            for t in calls] or None,
+                role="assistant",
+                content=content,
+                tool_calls=[
+                    ChatCompletionMessageToolCall(
+                        id=t.id, type="function", function=Function(name=t.name, arguments=t.arguments)
+                    )
+                    for t in calls
+                ]
+                or None,
             )
-            choices.append(Choice(index=c.index, message=message, finish_reason=self._finish_reason(c, calls),
-                                  logprobs=logprobs))
+            choices.append(
+                Choice(index=c.index, message=message, finish_reason=self._finish_reason(c, calls), logprobs=logprobs)
+            )
         await self.g._call(self.g.sessions.record.remote(self.session_id, interactions))
         self.recorded = True
         generated = sum(len(c.token_ids) for c in completions)
         return ChatCompletion(
-            id=self.id, object="chat.completion", created=self.created, model=self.request.model, choices=choices,
-            usage=CompletionUsage(prompt_tokens=len(self.prompt_ids), completion_tokens=generated,
-                                  total_tokens=len(self.prompt_ids) + generated),
+            id=self.id,
+            object="chat.completion",
+            created=self.created,
+            model=self.g.settings.served_model_name,
+            choices=choices,
+            usage=CompletionUsage(
+                prompt_tokens=len(self.prompt_ids),
+                completion_tokens=generated,
+                total_tokens=len(self.prompt_ids) + generated,
+            ),
         )
 
     def _chunk(self, choices, usage=None) -> str:
-        chunk = ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
-                                    model=self.request.model, choices=choices, usage=usage)
+        chunk = ChatCompletionChunk(
+            id=self.id,
+            object="chat.completion.chunk",
+            created=self.created,
+            model=self.g.settings.served_model_name,
+            choices=choices,
+            usage=usage,
+        )
         return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
 
     async def stream(self, params: SamplingParams) -> AsyncIterator[str]:
@@ -209,8 +244,9 @@ class _Turn:
                 pieces = calls_stream[i].feed(text) if calls_stream[i] else [text]
                 logprobs = None
                 if self.request.logprobs:
-                    logprobs = ChunkLogprobs(content=chat_logprobs(self.g.text_of, chunk.token_ids, chunk.logprobs,
-                                                                   chunk.top_logprobs))
+                    logprobs = ChunkLogprobs(
+                        content=chat_logprobs(self.g.text_of, chunk.token_ids, chunk.logprobs, chunk.top_logprobs)
+                    )
                 content = "".join(pieces)
                 sent[i] += content
                 if content or logprobs:
@@ -227,23 +263,42 @@ class _Turn:
                     content, calls = visible_text(self.g.tokenizer, completion.token_ids, completion.stop_reason), []
                 interactions.append(self._interaction(completion, content, calls))
                 if calls:
-                    yield self._chunk([ChunkChoice(index=i, delta=ChoiceDelta(tool_calls=[
-                        ChoiceDeltaToolCall(index=k, id=t.id, type="function",
-                                            function=ChoiceDeltaToolCallFunction(name=t.name, arguments=t.arguments))
-                        for k, t in enumerate(calls)]))])
-                yield self._chunk([ChunkChoice(index=i, delta=ChoiceDelta(),
-                                               finish_reason=self._finish_reason(completion, calls))])
+                    yield self._chunk(
+                        [
+                            ChunkChoice(
+                                index=i,
+                                delta=ChoiceDelta(
+                                    tool_calls=[
+                                        ChoiceDeltaToolCall(
+                                            index=k,
+                                            id=t.id,
+                                            type="function",
+                                            function=ChoiceDeltaToolCallFunction(name=t.name, arguments=t.arguments),
+                                        )
+                                        for k, t in enumerate(calls)
+                                    ]
+                                ),
+                            )
+                        ]
+                    )
+                yield self._chunk(
+                    [ChunkChoice(index=i, delta=ChoiceDelta(), finish_reason=self._finish_reason(completion, calls))]
+                )
             await self.g._call(self.g.sessions.record.remote(self.session_id, interactions))
             self.recorded = True
             generated = sum(len(c.token_ids) for c in done)
-            yield self._chunk([], usage=CompletionUsage(prompt_tokens=len(self.prompt_ids),
-                                                        completion_tokens=generated,
-                                                        total_tokens=len(self.prompt_ids) + generated))
+            yield self._chunk(
+                [],
+                usage=CompletionUsage(
+                    prompt_tokens=len(self.prompt_ids),
+                    completion_tokens=generated,
+                    total_tokens=len(self.prompt_ids) + generated,
+                ),
+            )
             yield "data: [DONE]\n\n"
         except (HTTPError, SessionError) as err:
             status = err.status
-            body = {"error": {"message": err.message, "type": _ERROR_TYPES.get(status, "server_error"),
-                              "code": status}}
+            body = {"error": {"message": err.message, "type": _ERROR_TYPES.get(status, "server_error"), "code": status}}
             yield f"data: {json.dumps(body)}\n\n"
         finally:  # also when the client goes away mid-stream
             if not self.recorded:
@@ -319,11 +374,20 @@ class Gateway:
     async def status(self, authorization: str | None = Header(None)):
         self._admin(authorization)
         sessions, capacity, trajectories, engine = await asyncio.gather(
-            self.sessions.stats.remote(), self.capacity.stats.remote(), self.trajectories.stats.remote(),
+            self.sessions.stats.remote(),
+            self.capacity.stats.remote(),
+            self.trajectories.stats.remote(),
             self.rollout.health.remote(),
         )
-        return {"status": "ok", "workers": self.settings.rollout.replicas, "policy_version": engine["version"],
-                "engine": engine, "sessions": sessions, "capacity": capacity, "trajectories": trajectories}
+        return {
+            "status": "ok",
+            "workers": self.settings.rollout.replicas,
+            "policy_version": engine["version"],
+            "engine": engine,
+            "sessions": sessions,
+            "capacity": capacity,
+            "trajectories": trajectories,
+        }
 
     # --- session routes (AReaL-compatible) -----------------------------------
 
@@ -371,8 +435,12 @@ class Gateway:
     async def models(self, authorization: str | None = Header(None)):
         _bearer(authorization)
         created = int(time.time())
-        return {"object": "list", "data": [Model(id=name, created=created, object="model", owned_by="rlgate")
-                                           for name in self.model_names[:-1]]}
+        return {
+            "object": "list",
+            "data": [
+                Model(id=name, created=created, object="model", owned_by="rlgate") for name in self.model_names[:-1]
+            ],
+        }
 
     def _check_model(self, name: str) -> None:
         if self.settings.gateway.strict_model and name not in self.model_names:
@@ -381,7 +449,7 @@ class Gateway:
     def _check_request(self, request: api._Sampling) -> None:
         problems = api.unsupported_fields(request)
         if problems:
-            raise HTTPError(400, "; ".join(problems), param=problems[0].split("'")[1] if "'" in problems[0] else None)
+            raise HTTPError(400, "; ".join(message for _, message in problems), param=problems[0][0])
         self._check_model(request.model)
         gateway = self.settings.gateway
         if request.n > gateway.max_n:
@@ -390,19 +458,24 @@ class Gateway:
     def _sampling(self, request: api._Sampling, max_tokens: int | None, top_logprobs: int) -> SamplingParams:
         limit = self.settings.gateway.max_completion_tokens
         if max_tokens is not None and max_tokens > limit:
-            raise HTTPError(400, f"max_tokens={max_tokens} exceeds this gateway's limit of {limit}",
-                            param="max_tokens")
+            raise HTTPError(400, f"max_tokens={max_tokens} exceeds this gateway's limit of {limit}", param="max_tokens")
         return SamplingParams(
-            max_tokens=max_tokens or limit, temperature=request.temperature, top_p=request.top_p,
-            top_k=request.top_k, stop=tuple(request.stop or ()), seed=request.seed, n=request.n,
+            max_tokens=max_tokens or limit,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            stop=tuple(request.stop or ()),
+            seed=request.seed,
+            n=request.n,
             top_logprobs=top_logprobs,
         )
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         context = self.settings.rollout.max_model_len
         if len(prompt_ids) >= context:
-            raise HTTPError(400, f"the prompt has {len(prompt_ids)} tokens; the model's context holds {context}",
-                            param="messages")
+            raise HTTPError(
+                400, f"the prompt has {len(prompt_ids)} tokens; the model's context holds {context}", param="messages"
+            )
 
     def _engine_error(self, err: BaseException) -> HTTPError:
         """An engine failure as the HTTP answer: bad input 400, anything else 503."""
@@ -437,8 +510,11 @@ class Gateway:
         if self.renderer is None:
             raise HTTPError(400, "this model has no chat template; use /v1/completions")
         if len(request.messages) > self.settings.gateway.max_messages:
-            raise HTTPError(400, f"{len(request.messages)} messages exceed the limit of "
-                                 f"{self.settings.gateway.max_messages}", param="messages")
+            raise HTTPError(
+                400,
+                f"{len(request.messages)} messages exceed the limit of {self.settings.gateway.max_messages}",
+                param="messages",
+            )
         messages = [m.for_template() for m in request.messages]
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         top = (request.top_logprobs or 0) if request.logprobs else 0
@@ -458,8 +534,9 @@ class Gateway:
                 try:
                     prompt_ids = self.renderer.prompt_ids(messages, tools)
                 except Exception as err:  # the model's own template refused these messages
-                    raise HTTPError(400, f"the chat template cannot render these messages: {err}",
-                                    param="messages") from None
+                    raise HTTPError(
+                        400, f"the chat template cannot render these messages: {err}", param="messages"
+                    ) from None
             self._check_prompt(prompt_ids)
             use_tools = self.tool_parser is not None and tools is not None and request.tool_choice != "none"
             turn = _Turn(self, request, session_id, prompt_ids, parent_id, keys[-1], use_tools)
@@ -495,8 +572,14 @@ class Gateway:
             raise
         completion_id = "cmpl-" + secrets.token_hex(12)
         interactions = [
-            Interaction(id=_choice_id(completion_id, c.index), prompt_ids=prompt_ids, completion_ids=c.token_ids,
-                        logprobs=c.logprobs, versions=c.versions, finish_reason=c.finish_reason)
+            Interaction(
+                id=_choice_id(completion_id, c.index),
+                prompt_ids=prompt_ids,
+                completion_ids=c.token_ids,
+                logprobs=c.logprobs,
+                versions=c.versions,
+                finish_reason=c.finish_reason,
+            )
             for c in completions
         ]
         await self._call(self.sessions.record.remote(session_id, interactions))
@@ -509,13 +592,30 @@ class Gateway:
                 for token in tokens:
                     offsets.append(at)
                     at += len(token)
-                logprobs = Logprobs(tokens=tokens, token_logprobs=c.logprobs, text_offset=offsets,
-                                    top_logprobs=[{self.text_of(t): lp for t, lp in d.items()} for d in c.top_logprobs]
-                                    if c.top_logprobs else None)
-            choices.append(CompletionChoice(index=c.index, text=visible_text(self.tokenizer, c.token_ids, c.stop_reason),
-                                            finish_reason=c.finish_reason, logprobs=logprobs))
+                logprobs = Logprobs(
+                    tokens=tokens,
+                    token_logprobs=c.logprobs,
+                    text_offset=offsets,
+                    top_logprobs=[{self.text_of(t): lp for t, lp in d.items()} for d in c.top_logprobs]
+                    if c.top_logprobs
+                    else None,
+                )
+            choices.append(
+                CompletionChoice(
+                    index=c.index,
+                    text=visible_text(self.tokenizer, c.token_ids, c.stop_reason),
+                    finish_reason=c.finish_reason,
+                    logprobs=logprobs,
+                )
+            )
         generated = sum(len(c.token_ids) for c in completions)
-        return Completion(id=completion_id, object="text_completion", created=int(time.time()),
-                          model=request.model, choices=choices,
-                          usage=CompletionUsage(prompt_tokens=len(prompt_ids), completion_tokens=generated,
-                                                total_tokens=len(prompt_ids) + generated))
+        return Completion(
+            id=completion_id,
+            object="text_completion",
+            created=int(time.time()),
+            model=self.settings.served_model_name,
+            choices=choices,
+            usage=CompletionUsage(
+                prompt_tokens=len(prompt_ids), completion_tokens=generated, total_tokens=len(prompt_ids) + generated
+            ),
+        )

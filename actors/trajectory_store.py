@@ -53,7 +53,9 @@ class TrajectoryFiles:
         if path is None or path.stat().st_size >= self.segment_bytes:
             path = self.folder / f"part-{self.last_seq + 1:012d}.jsonl"
         seqs = list(range(self.last_seq + 1, self.last_seq + 1 + len(records)))
-        lines = "".join(json.dumps({"seq": seq, **record}, ensure_ascii=False) + "\n" for seq, record in zip(seqs, records))
+        lines = "".join(
+            json.dumps({"seq": seq, **record}, ensure_ascii=False) + "\n" for seq, record in zip(seqs, records)
+        )
         with open(path, "a", encoding="utf-8") as handle:
             handle.write(lines)
             handle.flush()
@@ -66,7 +68,7 @@ class TrajectoryFiles:
         out: list[dict] = []
         segments = self.segments()
         firsts = [int(p.stem.split("-")[1]) for p in segments]
-        for path, first, following in zip(segments, firsts, firsts[1:] + [None]):
+        for path, following in zip(segments, firsts[1:] + [None]):
             if following is not None and following <= since + 1:
                 continue  # every record in this segment is older
             with open(path, encoding="utf-8") as handle:

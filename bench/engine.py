@@ -41,7 +41,7 @@ async def throughput(generate_one, concurrency: int, tokens: int, rounds: int) -
         started = time.perf_counter()
         total = 0
         for r in range(rounds):
-            base = (trial * rounds + r) * concurrency
+            base = (trial * rounds + r) * concurrency  # distinct seeds for every request
             counts = await asyncio.gather(*[generate_one(base + i, tokens) for i in range(concurrency)])
             total += sum(counts)
         figures.append(total / (time.perf_counter() - started))
@@ -70,7 +70,7 @@ async def bench_rlgate_engine(kind: str, path: Path, prompt_ids, tokens: int, up
         }
         weights = load_file(next(path.glob("*.safetensors")))
         seconds = []
-        for i in range(updates):
+        for _ in range(updates):
             report = await engine.update_weights(weights, engine.version + 1)
             seconds.append(report.seconds)
         result["update_s"] = statistics.median(seconds)
@@ -98,10 +98,10 @@ async def bench_bare_asyncllm(path: Path, prompt_ids, tokens: int) -> dict:
 
     async def one(seed: int, n_tokens: int) -> int:
         params = VllmParams(max_tokens=n_tokens, temperature=1.0, seed=seed, ignore_eos=True, logprobs=0)
-        final = None
-        async for final in llm.generate(tokens_input(list(prompt_ids)), params, f"bench-{seed}-{time.time_ns()}"):
-            pass
-        return len(final.outputs[0].token_ids)
+        outputs = [
+            out async for out in llm.generate(tokens_input(list(prompt_ids)), params, f"bench-{seed}-{time.time_ns()}")
+        ]
+        return len(outputs[-1].outputs[0].token_ids)
 
     try:
         await one(0, 4)
@@ -111,7 +111,6 @@ async def bench_bare_asyncllm(path: Path, prompt_ids, tokens: int) -> dict:
         }
     finally:
         llm.shutdown()
-        del llm  # not at interpreter exit, where vLLM's __del__ fails noisily
 
 
 def main() -> None:
@@ -141,7 +140,9 @@ def main() -> None:
             rows["VLLMEngine"] = asyncio.run(bench_rlgate_engine("vllm", path, prompt_ids, args.tokens, args.updates))
         rows["HFEngine"] = asyncio.run(bench_rlgate_engine("hf", path, prompt_ids, args.tokens, args.updates))
 
-    title = f"generated tokens/s, median (min-max) of {TRIALS} trials ({args.tokens} tokens/request, {os.cpu_count()} CPUs)"
+    title = (
+        f"generated tokens/s, median (min-max) of {TRIALS} trials ({args.tokens} tokens/request, {os.cpu_count()} CPUs)"
+    )
     table = Table(title=title)
     for column in ("model", "engine", "conc. 1", "conc. 64", "vs peer c1", "vs peer c64", "update s"):
         table.add_column(column, justify="left" if column in ("model", "engine") else "right")

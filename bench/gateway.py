@@ -95,9 +95,24 @@ def bench_vllm_server(model_path: Path, levels, requests, max_tokens) -> dict:
 
     port = free_port()
     env = dict(os.environ)
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
-               "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port),
-               "--dtype", "float32", "--max-model-len", "2048", "--disable-log-stats"]
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_path),
+        "--served-model-name",
+        "bench",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "2048",
+        "--disable-log-stats",
+    ]
     if not torch.cuda.is_available():
         env.update({k: v for k, v in cpu_environment_defaults().items() if k not in env})
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
@@ -117,8 +132,9 @@ def bench_vllm_server(model_path: Path, levels, requests, max_tokens) -> dict:
                 pass
             time.sleep(2)
         asyncio.run(drive(f"{url}/v1", ["none"], "bench", 1, 4))  # warm-up
-        return {c: summarise(*asyncio.run(drive(f"{url}/v1", ["none"] * c, "bench", requests, max_tokens)))
-                for c in levels}
+        return {
+            c: summarise(*asyncio.run(drive(f"{url}/v1", ["none"] * c, "bench", requests, max_tokens))) for c in levels
+        }
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -137,22 +153,27 @@ def bench_rlgate(model: str, levels, requests, max_tokens) -> dict:
 
     admin = secrets.token_hex(16)
     run_dir = tempfile.mkdtemp(prefix="rlgate-bench-")
-    config = parse_config({
-        "model": {"name": model},
-        "rollout": {"max_model_len": 2048, "kv_cache_gib": 1.0},
-        "gateway": {"run_dir": run_dir, "run_name": "bench", "max_concurrent": 256},
-    })
+    config = parse_config(
+        {
+            "model": {"name": model},
+            "rollout": {"max_model_len": 2048, "kv_cache_gib": 1.0},
+            "gateway": {"run_dir": run_dir, "run_name": "bench", "max_concurrent": 256},
+        }
+    )
     port = free_port()
     ray.init(include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
-    serve.run(build_app(config, hash_key(admin)), name="bench", route_prefix="/",
-              logging_config={"enable_access_log": False})
+    serve.run(
+        build_app(config, hash_key(admin)), name="bench", route_prefix="/", logging_config={"enable_access_log": False}
+    )
     url = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {admin}"}
 
     def sessions(count):
-        return [httpx.post(f"{url}/rl/start_session", json={"task_id": "bench"}, headers=headers).json()["api_key"]
-                for _ in range(count)]
+        return [
+            httpx.post(f"{url}/rl/start_session", json={"task_id": "bench"}, headers=headers).json()["api_key"]
+            for _ in range(count)
+        ]
 
     def end(keys):
         for key in keys:
@@ -197,8 +218,15 @@ def main() -> None:
     for c in args.concurrency:
         for name, result in (("vllm serve", peer[c]), ("rlgate gateway", ours[c])):
             ratio = f"{ours[c]['requests_per_s'] / peer[c]['requests_per_s']:.2f}" if name.startswith("rlgate") else ""
-            table.add_row(str(c), name, f"{result['requests_per_s']:.2f}", f"{result['tokens_per_s']:.0f}",
-                          f"{result['p50_s']:.2f}", f"{result['p99_s']:.2f}", ratio)
+            table.add_row(
+                str(c),
+                name,
+                f"{result['requests_per_s']:.2f}",
+                f"{result['tokens_per_s']:.0f}",
+                f"{result['p50_s']:.2f}",
+                f"{result['p99_s']:.2f}",
+                ratio,
+            )
     console = Console(width=140)
     console.print(table)
     console.print(f"trajectories saved by rlgate: {ours['trajectories_saved']} (expected {expected})")

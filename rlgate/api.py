@@ -155,22 +155,24 @@ _NEUTRAL = {
 }
 
 
-def unsupported_fields(request: _Request) -> list[str]:
-    """Messages naming every field of ``request`` that we would otherwise ignore."""
-    problems = [f"unsupported field '{name}'" for name in (request.model_extra or {})]
+def unsupported_fields(request: _Request) -> list[tuple[str, str]]:
+    """``(field, message)`` for every field of ``request`` we would otherwise ignore."""
+    problems = [(name, f"unsupported field '{name}'") for name in (request.model_extra or {})]
     for name, neutral in _NEUTRAL.items():
         if name in type(request).model_fields:
             value = getattr(request, name)
             allowed = neutral if isinstance(neutral, tuple) else (neutral,)
             if value not in allowed:
-                problems.append(f"'{name}' is not supported (only {allowed[0]!r})")
+                problems.append((name, f"'{name}' is not supported (only {allowed[0]!r})"))
     if isinstance(request, ChatCompletionRequest):
         if request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice):
-            problems.append("'tool_choice' may be 'auto' or 'none'; forcing a tool call is not supported")
+            problems.append(
+                ("tool_choice", "'tool_choice' may be 'auto' or 'none'; forcing a tool call is not supported")
+            )
         if request.response_format not in (None, {"type": "text"}):
-            problems.append("'response_format' is not supported (only {'type': 'text'})")
+            problems.append(("response_format", "'response_format' is not supported (only {'type': 'text'})"))
         if request.top_logprobs and not request.logprobs:
-            problems.append("'top_logprobs' needs 'logprobs': true")
+            problems.append(("top_logprobs", "'top_logprobs' needs 'logprobs': true"))
     return problems
 
 

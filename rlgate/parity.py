@@ -15,7 +15,6 @@ import asyncio
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 PROMPTS = [
     "What is 12 + 30? Answer with a number.",

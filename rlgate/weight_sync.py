@@ -71,11 +71,11 @@ class IpcWeightSender:
     async def push(self, version: int) -> WeightUpdateReport:
         import time
 
-        from rlgate.engines.base import WeightUpdateReport
-
         from vllm.distributed.weight_transfer.base import ModuleSource
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        from rlgate.engines.base import WeightUpdateReport
 
         loop = asyncio.get_running_loop()
         started = time.perf_counter()

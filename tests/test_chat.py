@@ -49,7 +49,10 @@ def test_continuation_of_a_plain_answer(renderer):
     ids = renderer.continuation_ids(messages, None, upto=2, earlier=earlier, ended_with=done[-1:])
     assert ids == renderer.prompt_ids(messages, None)
     assert ids[: len(earlier)] == earlier
-    assert renderer.tokenizer.decode(ids[len(earlier) :]) == "\n<|im_start|>user\nThanks!<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        renderer.tokenizer.decode(ids[len(earlier) :])
+        == "\n<|im_start|>user\nThanks!<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_continuation_of_a_tool_calling_episode(tools_renderer):
@@ -66,8 +69,9 @@ def test_continuation_of_a_tool_calling_episode(tools_renderer):
     assert third_prompt[: len(second)] == second
 
 
-@pytest.mark.parametrize("text", ["Hello there", "The answer is 4", "x = {", "Hello <"],
-                         ids=["words", "digit", "brace", "ends-with-lt"])
+@pytest.mark.parametrize(
+    "text", ["Hello there", "The answer is 4", "x = {", "Hello <"], ids=["words", "digit", "brace", "ends-with-lt"]
+)
 def test_continuation_of_a_completion_cut_by_max_tokens(renderer, text):
     """No end token was produced: the prompt supplies the whole turn tail, even when
     the last token ("<") happens to be a prefix of the tail's text."""
@@ -133,10 +137,22 @@ def test_continuation_is_none_when_monkeypatched_render_differs(renderer, monkey
     assert renderer.continuation_ids(messages, None, 1, earlier, done[-1:]) is None
 
 
-CALL = {"role": "assistant", "content": None, "tool_calls": [
-    {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1+2", "x": 1}'}}
-]}
-CONVERSATION = [{"role": "user", "content": "What is 1+2?"}, CALL, {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+CALL = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "calculator", "arguments": '{"expression": "1+2", "x": 1}'},
+        }
+    ],
+}
+CONVERSATION = [
+    {"role": "user", "content": "What is 1+2?"},
+    CALL,
+    {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+]
 
 
 def test_exchange_keys_are_stable_per_prefix():
@@ -158,16 +174,28 @@ def test_exchange_keys_change_with_tools():
 
 
 def test_exchange_keys_treat_string_and_dict_arguments_alike():
-    as_dict = {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_other", "type": "function", "function": {"name": "calculator", "arguments": {"x": 1, "expression": "1+2"}}}
-    ]}
-    spaced = {"role": "assistant", "tool_calls": [
-        {"function": {"name": "calculator", "arguments": '{ "x" : 1 ,\n "expression":"1+2" }'}}
-    ]}
+    as_dict = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_other",
+                "type": "function",
+                "function": {"name": "calculator", "arguments": {"x": 1, "expression": "1+2"}},
+            }
+        ],
+    }
+    spaced = {
+        "role": "assistant",
+        "tool_calls": [{"function": {"name": "calculator", "arguments": '{ "x" : 1 ,\n "expression":"1+2" }'}}],
+    }
     keys = exchange_keys(CONVERSATION, None)
     assert exchange_keys([CONVERSATION[0], as_dict, CONVERSATION[2]], None) == keys
     assert exchange_keys([CONVERSATION[0], spaced, CONVERSATION[2]], None) == keys
-    different = {"role": "assistant", "tool_calls": [{"function": {"name": "calculator", "arguments": {"expression": "1+3", "x": 1}}}]}
+    different = {
+        "role": "assistant",
+        "tool_calls": [{"function": {"name": "calculator", "arguments": {"expression": "1+3", "x": 1}}}],
+    }
     assert exchange_keys([CONVERSATION[0], different], None)[1] != keys[1]
 
 
@@ -177,6 +205,9 @@ def test_extend_key_matches_exchange_keys():
         reply = {"role": "assistant", "content": "It is 3."}
         assert extend_key(keys[-1], reply) == exchange_keys(CONVERSATION + [reply], tools)[-1]
         # the gateway records a call without id/type; the client sends it back with them
-        recorded = {"role": "assistant", "content": None,
-                    "tool_calls": [{"function": {"name": "calculator", "arguments": '{"expression":"1+2","x":1}'}}]}
+        recorded = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"function": {"name": "calculator", "arguments": '{"expression":"1+2","x":1}'}}],
+        }
         assert extend_key(keys[0], recorded) == keys[1]

@@ -110,7 +110,8 @@ async def test_prompt_longer_than_the_context_is_refused(engine):
 async def test_64_concurrent_requests_all_complete_correctly(engine, prompts):
     singles = [(await run(engine, p, max_tokens=16, temperature=0, ignore_eos=True))[0] for p in prompts]
     requests = [
-        run(engine, prompts[i % 4], max_tokens=16, temperature=0, ignore_eos=True) if i % 2 == 0
+        run(engine, prompts[i % 4], max_tokens=16, temperature=0, ignore_eos=True)
+        if i % 2 == 0
         else run(engine, prompts[i % 4], max_tokens=16, temperature=1.0, seed=i, ignore_eos=True)
         for i in range(64)
     ]

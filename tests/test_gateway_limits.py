@@ -44,8 +44,9 @@ def end(app, key) -> int:
 
 def chat(app, key, **extra):
     api = openai.OpenAI(base_url=f"{app.url}/v1", api_key=key, max_retries=0)
-    return api.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "hi"}],
-                                       max_tokens=4, **extra)
+    return api.chat.completions.create(
+        model="tiny-random", messages=[{"role": "user", "content": "hi"}], max_tokens=4, **extra
+    )
 
 
 def open_sessions(app) -> int:
@@ -70,8 +71,12 @@ def test_refresh_without_capacity_says_the_old_session_was_ended(clean, ray_sess
     chat(clean, a["api_key"])
     ray_session.get(capacity.grant.remote(1, 0))  # a trainer attaches with batch 1: no room left
     try:
-        refused = httpx.post(f"{clean.url}/rl/start_session", json={"task_id": "t", "api_key": a["api_key"]},
-                             headers=clean.admin, timeout=30)
+        refused = httpx.post(
+            f"{clean.url}/rl/start_session",
+            json={"task_id": "t", "api_key": a["api_key"]},
+            headers=clean.admin,
+            timeout=30,
+        )
         assert refused.status_code == 429
         assert "previous session of this key was ended and exported" in refused.json()["error"]["message"]
         [record] = [r for r in clean.trajectories() if r["session_id"] == a["session_id"]]
@@ -89,8 +94,12 @@ def test_concurrent_refreshes_of_one_key_never_give_two_sessions(clean):
     chat(clean, session["api_key"])
 
     def refresh(_):
-        return httpx.post(f"{clean.url}/rl/start_session", json={"task_id": "t", "api_key": session["api_key"]},
-                          headers=clean.admin, timeout=30).status_code
+        return httpx.post(
+            f"{clean.url}/rl/start_session",
+            json={"task_id": "t", "api_key": session["api_key"]},
+            headers=clean.admin,
+            timeout=30,
+        ).status_code
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         codes = list(pool.map(refresh, range(8)))
@@ -118,8 +127,11 @@ def test_idle_sessions_are_ended_and_exported(clean):
 def _engine_processes():
     """vLLM's engine processes under the gw-small RolloutServer replica (Ray titles
     an actor's worker process after its class)."""
-    [replica] = [p for p in psutil.process_iter(["cmdline"])
-                 if "ServeReplica:gw-small:RolloutServer" in " ".join(p.info["cmdline"] or [])]
+    [replica] = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "ServeReplica:gw-small:RolloutServer" in " ".join(p.info["cmdline"] or [])
+    ]
     return replica.children(recursive=True)
 
 

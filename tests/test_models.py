@@ -14,8 +14,11 @@ from rlgate.models import ModelNotFoundError, prepare_model
 
 
 def _digest(folder):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()
-            and p.name != "rlgate_model.json"}
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != "rlgate_model.json"
+    }
 
 
 def test_tiny_random_is_deterministic(tmp_path, monkeypatch):
@@ -35,7 +38,7 @@ def test_tiny_random_shape_and_tokenizer(tiny_path, tiny_tokenizer):
     assert config["hidden_size"] // config["num_attention_heads"] in (32, 64, 80, 96, 112, 128, 256)
     assert len(tiny_tokenizer) == config["vocab_size"]
     # byte-level BPE: any text round-trips, including non-ASCII
-    text = "Grüße, 世界! {\"x\": 1}"
+    text = 'Grüße, 世界! {"x": 1}'
     assert tiny_tokenizer.decode(tiny_tokenizer.encode(text)) == text
     assert len(tiny_tokenizer.encode("<tool_call>")) == 1
     assert tiny_tokenizer.eos_token == "<|im_end|>"
@@ -101,11 +104,16 @@ def test_bad_names_list_what_is_accepted(name):
 
 
 def test_cli_prepare_prints_folder_and_rejects_bad_names(tiny_path):
-    ok = subprocess.run([sys.executable, "-m", "rlgate.cli", "model", "prepare", "tiny-random"],
-                        capture_output=True, text=True, check=True)
+    ok = subprocess.run(
+        [sys.executable, "-m", "rlgate.cli", "model", "prepare", "tiny-random"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert ok.stdout.strip() == str(tiny_path)
-    bad = subprocess.run([sys.executable, "-m", "rlgate.cli", "model", "prepare", "gpt-17"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "rlgate.cli", "model", "prepare", "gpt-17"], capture_output=True, text=True
+    )
     assert bad.returncode == 2
     assert "unknown model 'gpt-17'" in bad.stderr and "tiny-random" in bad.stderr
 
@@ -123,5 +131,5 @@ def test_smollm2_from_the_wheel_loads_in_transformers():
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True)
     out = model.generate(torch.tensor([ids["input_ids"]]), max_new_tokens=8, do_sample=False)
-    reply = tokenizer.decode(out[0, len(ids["input_ids"]):], skip_special_tokens=True)
+    reply = tokenizer.decode(out[0, len(ids["input_ids"]) :], skip_special_tokens=True)
     assert reply.strip()  # a real instruct model answers with text

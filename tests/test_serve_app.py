@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,18 +76,27 @@ class Output:
 
 
 def stop(process: subprocess.Popen) -> None:
+    """Ctrl-C the server; then make sure nothing it started outlives it. Only this
+    process tree: `ray stop` would also kill the test session's own cluster."""
+    tree = psutil.Process(process.pid).children(recursive=True)
     process.send_signal(signal.SIGINT)
     try:
         assert process.wait(timeout=120) == 0
     finally:
-        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
+        for child in tree:
+            if child.is_running():
+                child.kill()
 
 
 @pytest.mark.parametrize("key", ["areal-admin-key", "short-key"])
 def test_weak_admin_keys_are_refused_off_loopback(config_file, key):
     result = subprocess.run(
         [sys.executable, "serve_app.py", "--config", str(config_file), "--host", "0.0.0.0"],
-        cwd=ROOT, env=environment(RLGATE_ADMIN_KEY=key), capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        env=environment(RLGATE_ADMIN_KEY=key),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode != 0
     assert "refusing to bind 0.0.0.0 with a weak RLGATE_ADMIN_KEY" in result.stderr
@@ -98,7 +108,11 @@ def test_python_serve_app_prints_url_and_a_generated_admin_key(config_file):
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "serve_app.py", "--config", str(config_file), "--port", str(port)],
-        cwd=ROOT, env=environment(RAY_AUTH_MODE="disabled"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT,
+        env=environment(RAY_AUTH_MODE="disabled"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     url = f"http://127.0.0.1:{port}"
     output = Output(process)
@@ -121,8 +135,11 @@ def test_serve_run_serve_app_app(config_file):
     key = "a-long-enough-admin-key-for-tests"
     process = subprocess.Popen(
         [str(Path(sys.executable).parent / "serve"), "run", "serve_app:app"],
-        cwd=ROOT, env=environment(RLGATE_CONFIG=str(config_file), RLGATE_ADMIN_KEY=key, RAY_AUTH_MODE="disabled"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT,
+        env=environment(RLGATE_CONFIG=str(config_file), RLGATE_ADMIN_KEY=key, RAY_AUTH_MODE="disabled"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     url = "http://127.0.0.1:8000"
     Output(process)  # drain the output so the server never blocks on a full pipe

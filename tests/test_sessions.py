@@ -56,8 +56,16 @@ def make_manager(slots=10, delay=0.0, fail_times=0, **kwargs):
 
 
 def turn(id, prompt=(1, 2), completion=(3,), parent=None, key=None):
-    return Interaction(id, list(prompt), list(completion), [-0.5] * len(completion), [0] * len(completion),
-                       "stop", parent=parent, key=key)
+    return Interaction(
+        id,
+        list(prompt),
+        list(completion),
+        [-0.5] * len(completion),
+        [0] * len(completion),
+        "stop",
+        parent=parent,
+        key=key,
+    )
 
 
 async def expect_error(status, awaitable_or_call, match=None):
@@ -110,7 +118,8 @@ async def test_concurrent_refreshes_of_one_key():
     old = await m.start("task", "k")
     m.record(old, [turn("i1")])
     results = await asyncio.gather(
-        m.start("task", "k", refresh_key_hash="k"), m.start("task", "k", refresh_key_hash="k"),
+        m.start("task", "k", refresh_key_hash="k"),
+        m.start("task", "k", refresh_key_hash="k"),
         return_exceptions=True,
     )
     winners = [r for r in results if isinstance(r, str)]
@@ -128,8 +137,9 @@ async def test_refresh_without_capacity_is_429_and_says_the_old_session_ended():
     m.record(old, [turn("i1")])
     capacity.closed = True
     started = time.monotonic()
-    err = await expect_error(429, lambda: m.start("task", "k", refresh_key_hash="k"),
-                             match="previous session of this key was ended")
+    err = await expect_error(
+        429, lambda: m.start("task", "k", refresh_key_hash="k"), match="previous session of this key was ended"
+    )
     assert time.monotonic() - started >= 0.05
     assert err.retry_after == 3.0
     assert [r["end_reason"] for r in persist.records] == ["refreshed"]
@@ -285,8 +295,16 @@ async def test_stats_counters():
     await expect_error(429, lambda: m.start("task", "k3"))
     m.record(s1, [turn("i1"), turn("i2")])
     await m.start("task", "k1", refresh_key_hash="k1")
-    assert m.stats() == {"open_sessions": 2, "open_interactions": 0, "started": 3, "ended": 1, "expired": 0,
-                         "refreshed": 1, "rejected": 1, "exported": 2}
+    assert m.stats() == {
+        "open_sessions": 2,
+        "open_interactions": 0,
+        "started": 3,
+        "ended": 1,
+        "expired": 0,
+        "refreshed": 1,
+        "rejected": 1,
+        "exported": 2,
+    }
 
 
 async def test_requests_during_an_ending_session_are_not_told_the_key_is_invalid():

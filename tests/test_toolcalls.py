@@ -49,7 +49,7 @@ def test_single_call():
 
 
 def test_two_calls_after_content():
-    text = 'Let me check both.\n' + render_call("a", {"x": 1}) + "\n" + render_call("b", {"y": [1, 2]})
+    text = "Let me check both.\n" + render_call("a", {"x": 1}) + "\n" + render_call("b", {"y": [1, 2]})
     parsed = parser.parse(text)
     assert parsed.content == "Let me check both."
     assert calls_of(parsed) == [("a", {"x": 1}), ("b", {"y": [1, 2]})]
@@ -177,10 +177,37 @@ def test_stream_holds_leading_whitespace_until_it_knows():
 # --- properties ------------------------------------------------------------------
 
 FRAGMENTS = [
-    OPEN, CLOSE, "<", "</", "<tool", "tool", "_call>", "{", "}", "[", "]", ":", ",", '"', "\\", " ", "\n",
-    '"name"', '"arguments"', '"parameters"', '"f"', "{}", '{"a": 1}', '"{\\"a\\": 1}"',
-    "é", "東京", "🙂", "\u00a0", "\x1c",
-    render_call("f", {"x": 1}), '{"name": "g", "arguments": {}}',
+    OPEN,
+    CLOSE,
+    "<",
+    "</",
+    "<tool",
+    "tool",
+    "_call>",
+    "{",
+    "}",
+    "[",
+    "]",
+    ":",
+    ",",
+    '"',
+    "\\",
+    " ",
+    "\n",
+    '"name"',
+    '"arguments"',
+    '"parameters"',
+    '"f"',
+    "{}",
+    '{"a": 1}',
+    '"{\\"a\\": 1}"',
+    "é",
+    "東京",
+    "🙂",
+    "\u00a0",
+    "\x1c",
+    render_call("f", {"x": 1}),
+    '{"name": "g", "arguments": {}}',
 ]
 texts = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=4)), max_size=14).map("".join)
 

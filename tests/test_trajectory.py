@@ -12,10 +12,15 @@ from rlgate.trajectory import NO_VERSION, Interaction, SessionTrajectory
 
 def make(id, prompt, completion, parent=None, reward=None, key=None, logprobs=None, versions=None, finish="stop"):
     return Interaction(
-        id=id, prompt_ids=list(prompt), completion_ids=list(completion),
+        id=id,
+        prompt_ids=list(prompt),
+        completion_ids=list(completion),
         logprobs=logprobs if logprobs is not None else [-0.5] * len(completion),
         versions=versions if versions is not None else [0] * len(completion),
-        finish_reason=finish, parent=parent, reward=reward, key=key,
+        finish_reason=finish,
+        parent=parent,
+        reward=reward,
+        key=key,
     )
 
 
@@ -24,8 +29,18 @@ def linear_session() -> SessionTrajectory:
     t = SessionTrajectory("s1", "task-a")
     t.add(make("a", [1, 2, 3], [10, 11], logprobs=[-0.1, -0.2], versions=[1, 1]))
     t.add(make("b", [1, 2, 3, 10, 11, 4, 5], [12], parent="a", reward=1.0, logprobs=[-0.3], versions=[2]))
-    t.add(make("c", [1, 2, 3, 10, 11, 4, 5, 12, 6], [13, 14], parent="b", reward=4.0,
-               logprobs=[-0.4, -0.5], versions=[2, 3], finish="length"))
+    t.add(
+        make(
+            "c",
+            [1, 2, 3, 10, 11, 4, 5, 12, 6],
+            [13, 14],
+            parent="b",
+            reward=4.0,
+            logprobs=[-0.4, -0.5],
+            versions=[2, 3],
+            finish="length",
+        )
+    )
     return t
 
 

@@ -46,7 +46,7 @@ def resolve_engine_kind(kind: str) -> str:
     if kind == "vllm" and not vllm_installed():
         raise RuntimeError(
             "engine 'vllm' was asked for but vLLM is not installed: install rlgate[cpu] "
-            "(x86-64 without a GPU) or rlgate[gpu], or set [rollout] engine = \"hf\""
+            '(x86-64 without a GPU) or rlgate[gpu], or set [rollout] engine = "hf"'
         )
     return kind
 

@@ -84,9 +84,11 @@ class HFEngine(Engine):
             return model.to(self.device).eval(), AutoTokenizer.from_pretrained(self.model_path)
 
         self.model, self.tokenizer = await asyncio.to_thread(load)
-        config = json.loads((Path(self.model_path) / "generation_config.json").read_text()) if (
-            Path(self.model_path) / "generation_config.json"
-        ).is_file() else {}
+        config = (
+            json.loads((Path(self.model_path) / "generation_config.json").read_text())
+            if (Path(self.model_path) / "generation_config.json").is_file()
+            else {}
+        )
         eos = config.get("eos_token_id", [])
         self._eos = set(eos if isinstance(eos, list) else [eos]) | {self.tokenizer.eos_token_id} - {None}
         self._seeder = torch.Generator().manual_seed(self.seed)
@@ -118,8 +120,10 @@ class HFEngine(Engine):
         queue: asyncio.Queue = asyncio.Queue()
         rows = []
         for index in range(params.n):
-            seed = params.seed + index if params.seed is not None else int(
-                torch.randint(0, 2**62, (1,), generator=self._seeder)
+            seed = (
+                params.seed + index
+                if params.seed is not None
+                else int(torch.randint(0, 2**62, (1,), generator=self._seeder))
             )
             rows.append(_Row(request_id, index, list(prompt_ids), params, queue, torch.Generator().manual_seed(seed)))
         self._waiting.extend(rows)

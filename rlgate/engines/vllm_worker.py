@@ -43,9 +43,7 @@ def _tied_lm_heads(model):
     )
 
     embeddings = [
-        m.weight
-        for m in model.modules()
-        if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
+        m.weight for m in model.modules() if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
     ]
     for module in model.modules():
         if isinstance(module, ParallelLMHead) and any(module.weight is w for w in embeddings):
