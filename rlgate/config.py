@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
@@ -87,10 +87,113 @@ class GatewayConfig(_Section):
     )
 
 
+Variety = Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+
+# What each named variety means when a field is left unset.
+VARIETY_DEFAULTS: dict[str, dict] = {
+    "grpo": {"advantage": "grpo", "loss": "ppo_clip", "aggregation": "seq_mean_token_mean"},
+    "dr_grpo": {"advantage": "dr_grpo", "loss": "ppo_clip", "aggregation": "seq_mean_token_sum_norm"},
+    "dapo": {
+        "advantage": "grpo",
+        "loss": "ppo_clip",
+        "aggregation": "token_mean",
+        "clip_high": 0.28,
+        "drop_equal_reward_groups": True,
+    },
+    "gspo": {"advantage": "grpo", "loss": "gspo", "aggregation": "seq_mean_token_mean"},
+    "rloo": {"advantage": "rloo", "loss": "ppo_clip", "aggregation": "token_mean"},
+}
+
+
+class AlgorithmConfig(_Section):
+    variety: Variety = Field(
+        "grpo", description="A named recipe; it sets the fields below that are left unset (see VARIETY_DEFAULTS)."
+    )
+    advantage: Literal["grpo", "dr_grpo", "rloo"] | None = Field(None, description="Group advantage estimator.")
+    loss: Literal["ppo_clip", "gspo", "decoupled_ppo"] | None = Field(
+        None, description="Policy loss; ppo_clip becomes decoupled_ppo when [training] max_staleness > 0."
+    )
+    clip_low: float = Field(0.2, gt=0, lt=1, description="Ratio floor is 1 - clip_low.")
+    clip_high: float | None = Field(None, gt=0, le=10, description="Ratio ceiling is 1 + clip_high (default clip_low).")
+    aggregation: Aggregation | None = Field(None, description="How per-token losses are averaged.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL to the initial (reference) policy; 0 disables.")
+    behaviour_weight_cap: float = Field(
+        5.0, gt=1, description="Decoupled PPO: truncate the proximal/behaviour importance weight here."
+    )
+    drop_equal_reward_groups: bool | None = Field(
+        None, description="Drop groups whose rewards are all equal (no learning signal), as DAPO's dynamic sampling."
+    )
+
+    def resolved(self, max_staleness: int) -> dict:
+        """Every setting with the variety's defaults filled in."""
+        settings = {**VARIETY_DEFAULTS[self.variety]}
+        settings.update({k: v for k, v in self.model_dump().items() if v is not None})
+        settings.setdefault("clip_high", self.clip_low)
+        settings.setdefault("drop_equal_reward_groups", False)
+        if max_staleness > 0 and settings["loss"] == "ppo_clip":
+            settings["loss"] = "decoupled_ppo"  # off-policy tokens need the behaviour correction
+        return settings
+
+
+class TrainingConfig(_Section):
+    batch_size: int = Field(8, ge=1, le=100_000, description="Episodes (sessions) per optimizer step.")
+    group_size: int = Field(4, ge=1, le=1024, description="Episodes of the same task_id compared with each other.")
+    learning_rate: float = Field(1e-5, gt=0, le=1, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    grad_accumulation: int = Field(1, ge=1, le=4096, description="Micro-batches per optimizer step, per worker.")
+    updates_per_batch: int = Field(1, ge=1, le=64, description="Optimizer steps taken on each batch.")
+    max_staleness: int = Field(
+        0, ge=0, le=1000, description="S: rollouts may lag the trainer by S versions; 0 is synchronous GRPO."
+    )
+    total_steps: int = Field(100, ge=1, description="Optimizer steps to train for.")
+    save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    group_timeout_s: float = Field(
+        600.0, gt=0, description="A group still short of group_size after this joins the batch as it is."
+    )
+    seed: int = Field(0, ge=0, description="Seed for the trainer.")
+
+    @model_validator(mode="after")
+    def _whole_groups(self) -> TrainingConfig:
+        if self.batch_size % self.group_size:
+            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})")
+        return self
+
+
+class ComputeConfig(_Section):
+    trainer_workers: int = Field(1, ge=1, le=4096, description="Ray Train workers (data parallel).")
+    gpus_per_worker: float = Field(0.0, ge=0, description="GPUs per trainer worker; 0 trains on CPU bundles.")
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs per trainer worker.")
+    rollout_replicas: int | None = Field(
+        None, ge=1, description="RolloutServer replicas; the same as [rollout] replicas (set one of them)."
+    )
+
+
+class ServicesConfig(_Section):
+    task_url: str | None = Field(None, description="Base URL of a task app that drives the episodes.")
+
+
 class RLGateConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    compute: ComputeConfig = Field(default_factory=ComputeConfig)
+    services: ServicesConfig = Field(default_factory=ServicesConfig)
+
+    @model_validator(mode="after")
+    def _one_replica_count(self) -> RLGateConfig:
+        wanted = self.compute.rollout_replicas
+        if wanted is not None and "replicas" in self.rollout.model_fields_set and wanted != self.rollout.replicas:
+            raise ValueError(
+                f"compute.rollout_replicas ({wanted}) and rollout.replicas ({self.rollout.replicas}) disagree; "
+                "set one of them"
+            )
+        if wanted is not None:
+            self.rollout.replicas = wanted
+        return self
 
     @property
     def served_model_name(self) -> str:
@@ -120,4 +223,7 @@ def _describe(error: dict) -> str:
     key = ".".join(str(part) for part in error["loc"])
     if error["type"] == "extra_forbidden":
         return f"{key}: unknown key"
+    if error["type"] == "value_error":  # our own checks: the message already says what was wrong
+        message = error["msg"].removeprefix("Value error, ")
+        return f"{key}: {message}" if key else message
     return f"{key}: {error['msg']} (got {error.get('input')!r})"

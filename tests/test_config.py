@@ -60,3 +60,27 @@ def test_readme_config_reference_lists_every_field():
     for section_name, section in RLGateConfig.model_fields.items():
         for field_name in section.annotation.model_fields:
             assert f"`{field_name}`" in readme, f"README's config reference lacks [{section_name}] {field_name}"
+
+
+def test_varieties_fill_in_what_is_left_unset():
+    dapo = parse_config({"algorithm": {"variety": "dapo"}}).algorithm.resolved(max_staleness=0)
+    assert dapo["clip_high"] == 0.28 and dapo["aggregation"] == "token_mean" and dapo["drop_equal_reward_groups"]
+    explicit = parse_config({"algorithm": {"variety": "dapo", "clip_high": 0.3, "aggregation": "seq_mean_token_mean"}})
+    assert explicit.algorithm.resolved(0)["clip_high"] == 0.3
+    assert explicit.algorithm.resolved(0)["aggregation"] == "seq_mean_token_mean"
+    grpo = parse_config({}).algorithm
+    assert grpo.resolved(0)["loss"] == "ppo_clip" and grpo.resolved(0)["clip_high"] == grpo.clip_low
+    assert grpo.resolved(2)["loss"] == "decoupled_ppo"  # off-policy tokens need the behaviour correction
+    assert parse_config({"algorithm": {"variety": "gspo"}}).algorithm.resolved(2)["loss"] == "gspo"
+
+
+def test_training_and_compute_checks_name_the_keys():
+    with pytest.raises(ConfigError, match=r"training: batch_size \(6\) must be a multiple of group_size \(4\)"):
+        parse_config({"training": {"batch_size": 6, "group_size": 4}})
+    with pytest.raises(ConfigError, match=r"compute.rollout_replicas \(2\) and rollout.replicas \(3\) disagree"):
+        parse_config({"compute": {"rollout_replicas": 2}, "rollout": {"replicas": 3}})
+    assert parse_config({"compute": {"rollout_replicas": 2}}).rollout.replicas == 2
+    with pytest.raises(ConfigError, match=r"training.learning_rate: .*greater than 0"):
+        parse_config({"training": {"learning_rate": 0}})
+    with pytest.raises(ConfigError, match=r"algorithm.variety: .*'grpo', 'dr_grpo', 'dapo', 'gspo' or 'rloo'"):
+        parse_config({"algorithm": {"variety": "ppo"}})
