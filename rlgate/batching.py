@@ -1,0 +1,191 @@
+"""From saved trajectories to GRPO batches (pure; no Ray, no torch).
+
+The trainer reads records from the TrajectoryStore in ``seq`` order and feeds
+them to a :class:`GroupBuffer`. A *group* is ``group_size`` sessions with the
+same ``task_id`` (a record may carry its own ``group_size``, set per session);
+all records of a session belong to its group. A *batch* is ``batch_size``
+sessions' worth of whole groups.
+
+* A group whose rewards are all equal carries no learning signal; with
+  ``drop_equal_reward_groups`` it is dropped when it completes (DAPO's
+  dynamic sampling).
+* A group still short after ``group_timeout_s`` is *partial*: it joins the
+  next batch as it is, and its advantages are normalised over the batch
+  instead of within the group (``Batch.partial``), or is dropped when
+  ``partial_groups = "drop"``.
+
+Every record is handed out or dropped exactly once. :meth:`GroupBuffer.state`
+is small and restores exactly: records read but not yet in a batch are simply
+read again after a restart, and records already consumed are skipped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class Group:
+    task_id: str
+    size: int
+    sessions: dict[str, list[dict]] = field(default_factory=dict)  # session id -> its records
+    opened_at: float = 0.0
+
+    @property
+    def records(self) -> list[dict]:
+        return [record for records in self.sessions.values() for record in records]
+
+    def full(self) -> bool:
+        return len(self.sessions) >= self.size
+
+    def rewards_equal(self) -> bool:
+        rewards = {record["reward"] for record in self.records}
+        return len(rewards) <= 1
+
+
+@dataclass
+class Batch:
+    groups: list[Group]  # complete groups: advantages within each group
+    partial: list[Group]  # groups that timed out short: advantages over the whole batch
+
+    @property
+    def records(self) -> list[dict]:
+        return [r for g in self.groups + self.partial for r in g.records]
+
+    @property
+    def sessions(self) -> int:
+        return sum(len(g.sessions) for g in self.groups + self.partial)
+
+
+@dataclass
+class Counters:
+    read: int = 0
+    batched: int = 0
+    dropped_equal_reward: int = 0
+    dropped_partial: int = 0
+
+
+class GroupBuffer:
+    def __init__(
+        self,
+        batch_size: int,
+        group_size: int,
+        group_timeout_s: float = 600.0,
+        drop_equal_reward_groups: bool = False,
+        partial_groups: Literal["batch", "drop"] = "batch",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if batch_size < 1 or group_size < 1:
+            raise ValueError("batch_size and group_size must be at least 1")
+        self.batch_size, self.group_size = batch_size, group_size
+        self.group_timeout_s = group_timeout_s
+        self.drop_equal_reward_groups, self.partial_groups = drop_equal_reward_groups, partial_groups
+        self.clock = clock
+        self.open: dict[str, Group] = {}  # task id -> the group being filled
+        self.ready: list[Group] = []  # complete groups waiting for a batch
+        self.expired: list[Group] = []  # partial groups waiting for a batch
+        self.watermark = 0  # every seq <= watermark is consumed or dropped
+        self.done_above: set[int] = set()  # consumed or dropped seqs above the watermark
+        self.last_read = 0
+        self.counters = Counters()
+
+    # --- input ----------------------------------------------------------------
+
+    def add(self, records: list[dict]) -> None:
+        """Records in ``seq`` order, as read from the TrajectoryStore."""
+        for record in records:
+            seq = record["seq"]
+            self.last_read = max(self.last_read, seq)
+            if seq <= self.watermark or seq in self.done_above:
+                continue  # consumed before a restart
+            self.counters.read += 1
+            task = record["task_id"]
+            group = self.open.get(task)
+            session = record["session_id"]
+            if group is not None and session not in group.sessions and group.full():
+                group = None
+            if group is None:
+                size = int(record.get("group_size") or self.group_size)
+                group = self.open[task] = Group(task, size, opened_at=self.clock())
+            group.sessions.setdefault(session, []).append(record)
+            if group.full():
+                del self.open[task]
+                self._complete(group)
+
+    def _complete(self, group: Group) -> None:
+        if self.drop_equal_reward_groups and group.rewards_equal():
+            self.counters.dropped_equal_reward += len(group.records)
+            self._done(group)
+        else:
+            self.ready.append(group)
+
+    def expire(self) -> None:
+        """Move groups open longer than the timeout out of waiting."""
+        now = self.clock()
+        for task, group in list(self.open.items()):
+            if now - group.opened_at >= self.group_timeout_s:
+                del self.open[task]
+                if self.partial_groups == "drop":
+                    self.counters.dropped_partial += len(group.records)
+                    self._done(group)
+                else:
+                    self.expired.append(group)
+
+    # --- output ---------------------------------------------------------------
+
+    def take(self) -> Batch | None:
+        """A batch once waiting groups hold at least ``batch_size`` sessions, else None.
+
+        Complete groups go first, whole, then partial ones. Batches of complete
+        groups are exactly ``batch_size`` sessions (it is a multiple of
+        ``group_size``); a partial group may make a batch slightly larger.
+        """
+        self.expire()
+        waiting = sum(len(g.sessions) for g in self.ready + self.expired)
+        if waiting < self.batch_size:
+            return None
+        return self._emit(self.batch_size)
+
+    def flush(self) -> Batch | None:
+        """Whatever whole or partial groups are waiting, however few (e.g. at the end)."""
+        self.expire()
+        return self._emit(None) if self.ready or self.expired else None
+
+    def _emit(self, limit: int | None) -> Batch:
+        batch, sessions = Batch([], []), 0
+        for pool, target in ((self.ready, batch.groups), (self.expired, batch.partial)):
+            while pool and (limit is None or sessions < limit):
+                group = pool.pop(0)
+                target.append(group)
+                sessions += len(group.sessions)
+        for group in batch.groups + batch.partial:
+            self._done(group)
+        self.counters.batched += len(batch.records)
+        return batch
+
+    def _done(self, group: Group) -> None:
+        for record in group.records:
+            self.done_above.add(record["seq"])
+        while self.watermark + 1 in self.done_above:
+            self.watermark += 1
+            self.done_above.discard(self.watermark)
+
+    def pending_sessions(self) -> int:
+        return sum(len(g.sessions) for g in [*self.open.values(), *self.ready, *self.expired])
+
+    # --- checkpoints ------------------------------------------------------------
+
+    def state(self) -> dict:
+        """What a checkpoint must keep: read again from ``watermark``, skipping ``done_above``."""
+        return {"watermark": self.watermark, "done_above": sorted(self.done_above)}
+
+    @classmethod
+    def restore(cls, state: dict, **settings) -> GroupBuffer:
+        buffer = cls(**settings)
+        buffer.watermark = state["watermark"]
+        buffer.done_above = set(state["done_above"])
+        buffer.last_read = state["watermark"]
+        return buffer

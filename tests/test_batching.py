@@ -1,0 +1,134 @@
+"""GroupBuffer: whole groups, whole batches, dropped groups, timeouts, exactly once across restarts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rlgate.batching import GroupBuffer
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def records(spec):
+    """spec: (task, session, reward) triples, in arrival order; seq numbers follow."""
+    return [
+        {"seq": i, "task_id": task, "session_id": session, "reward": reward}
+        for i, (task, session, reward) in enumerate(spec, start=1)
+    ]
+
+
+def sessions_of(group):
+    return sorted(group.sessions)
+
+
+def test_interleaved_tasks_make_whole_groups_and_an_exact_batch():
+    buffer = GroupBuffer(batch_size=4, group_size=2)
+    buffer.add(records([("a", "s1", 1.0), ("b", "s2", 0.0), ("a", "s3", 0.0)]))
+    assert buffer.take() is None  # one complete group (a) holds 2 of the 4 sessions
+    buffer.add([{"seq": 4, "task_id": "b", "session_id": "s4", "reward": 1.0}])
+    batch = buffer.take()
+    assert [g.task_id for g in batch.groups] == ["a", "b"] and batch.partial == []
+    assert [sessions_of(g) for g in batch.groups] == [["s1", "s3"], ["s2", "s4"]]
+    assert batch.sessions == 4 and buffer.take() is None
+
+
+def test_all_records_of_a_session_stay_in_its_group():
+    buffer = GroupBuffer(batch_size=2, group_size=2)
+    buffer.add(records([("t", "s1", 0.5), ("t", "s1", 1.0), ("t", "s2", 0.0)]))  # s1 exported two samples
+    [group] = buffer.take().groups
+    assert {s: len(r) for s, r in group.sessions.items()} == {"s1": 2, "s2": 1}
+
+
+def test_a_full_group_makes_a_new_session_start_the_next_group():
+    buffer = GroupBuffer(batch_size=2, group_size=2)
+    buffer.add(records([("t", "s1", 1.0), ("t", "s2", 0.0), ("t", "s3", 1.0)]))
+    assert sessions_of(buffer.take().groups[0]) == ["s1", "s2"]
+    assert list(buffer.open["t"].sessions) == ["s3"]
+
+
+def test_equal_reward_groups_are_dropped_only_when_asked():
+    spec = [("t", "s1", 1.0), ("t", "s2", 1.0), ("u", "s3", 0.0), ("u", "s4", 1.0)]
+    dropping = GroupBuffer(batch_size=2, group_size=2, drop_equal_reward_groups=True)
+    dropping.add(records(spec))
+    assert [g.task_id for g in dropping.take().groups] == ["u"]
+    assert dropping.counters.dropped_equal_reward == 2
+    keeping = GroupBuffer(batch_size=4, group_size=2)
+    keeping.add(records(spec))
+    assert [g.task_id for g in keeping.take().groups] == ["t", "u"]
+
+
+def test_a_group_that_never_fills_joins_the_batch_after_the_timeout():
+    clock = Clock()
+    buffer = GroupBuffer(batch_size=4, group_size=2, group_timeout_s=60, clock=clock)
+    buffer.add(records([("a", "s1", 1.0), ("b", "s2", 0.0), ("b", "s3", 1.0)]))
+    clock.now = 59.0
+    assert buffer.take() is None
+    buffer.add([{"seq": 4, "task_id": "c", "session_id": "s4", "reward": 0.5}])
+    clock.now = 61.0  # a (opened at 0) timed out; c (opened at 59) has not
+    assert buffer.take() is None  # 2 complete + 1 partial session < 4
+    clock.now = 200.0  # c times out too: 2 + 1 + 1 = 4 sessions
+    batch = buffer.take()
+    assert [g.task_id for g in batch.groups] == ["b"]
+    assert [g.task_id for g in batch.partial] == ["a", "c"] and batch.sessions == 4
+
+
+def test_partial_groups_can_be_dropped_instead():
+    clock = Clock()
+    buffer = GroupBuffer(batch_size=2, group_size=2, group_timeout_s=10, partial_groups="drop", clock=clock)
+    buffer.add(records([("a", "s1", 1.0)]))
+    clock.now = 11.0
+    buffer.expire()
+    assert buffer.counters.dropped_partial == 1 and buffer.flush() is None
+    assert buffer.state() == {"watermark": 1, "done_above": []}  # a dropped record is done too
+
+
+def test_a_session_may_carry_its_own_group_size():
+    buffer = GroupBuffer(batch_size=3, group_size=2)
+    spec = [{"seq": i, "task_id": "t", "session_id": f"s{i}", "reward": float(i), "group_size": 3} for i in (1, 2, 3)]
+    buffer.add(spec)
+    [group] = buffer.take().groups
+    assert group.size == 3 and len(group.sessions) == 3
+
+
+def test_flush_hands_out_what_is_left():
+    clock = Clock()
+    buffer = GroupBuffer(batch_size=8, group_size=2, group_timeout_s=5, clock=clock)
+    buffer.add(records([("a", "s1", 1.0), ("a", "s2", 0.0), ("b", "s3", 1.0)]))
+    clock.now = 6.0
+    batch = buffer.flush()
+    assert [g.task_id for g in batch.groups] == ["a"] and [g.task_id for g in batch.partial] == ["b"]
+    assert buffer.flush() is None
+
+
+def test_every_record_is_used_exactly_once_across_a_restart():
+    rng = random.Random(3)
+    spec = [(f"task{rng.randrange(5)}", f"s{i}", float(rng.random() < 0.5)) for i in range(60)]
+    log = records(spec)
+    settings = {"batch_size": 4, "group_size": 2}
+    first = GroupBuffer(**settings)
+    first.add(log[:35])
+    before = [b for b in iter(first.take, None)]
+    # The trainer checkpoints, dies, and restarts: it reads the log again from the watermark.
+    state = first.state()
+    assert len(state["done_above"]) < 35  # the state stays small
+    second = GroupBuffer.restore(state, **settings)
+    second.add([r for r in log if r["seq"] > state["watermark"]])
+    after = [b for b in iter(second.take, None)]
+    leftover = second.flush()
+    used = [r["seq"] for b in before + after + ([leftover] if leftover else []) for r in b.records]
+    unfinished = [r["seq"] for g in second.open.values() for r in g.records]
+    assert sorted(used + unfinished) == list(range(1, 61))  # nothing lost ...
+    assert len(set(used)) == len(used)  # ... nothing twice
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="at least 1"):
+        GroupBuffer(batch_size=0, group_size=2)
