@@ -56,9 +56,11 @@ class SessionStore:
         if self._sweeper is None or self._sweeper.done():
             self._sweeper = asyncio.create_task(sweep(self.manager, self._sweep_every))
 
-    async def start(self, task_id: str, key_hash: str, refresh_key_hash: str | None = None) -> str:
+    async def start(
+        self, task_id: str, key_hash: str, refresh_key_hash: str | None = None, group_size: int | None = None
+    ) -> str:
         self._ensure_sweeper()
-        return await self.manager.start(task_id, key_hash, refresh_key_hash)
+        return await self.manager.start(task_id, key_hash, refresh_key_hash, group_size)
 
     async def begin(self, key_hash: str, candidate_keys: list[str]) -> tuple[str, Parent | None]:
         self._ensure_sweeper()

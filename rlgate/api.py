@@ -183,6 +183,9 @@ class StartSessionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     task_id: str = Field(min_length=1, max_length=256, description="Groups sessions of the same task for GRPO.")
     api_key: str | None = Field(None, description="A session key to refresh: its session ends and a new one starts.")
+    group_size: int | None = Field(
+        None, ge=1, le=1024, description="Sessions of this task_id compared in one GRPO group (default: the trainer's)."
+    )
 
 
 class StartSessionResponse(BaseModel):

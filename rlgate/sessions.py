@@ -54,6 +54,7 @@ class Session:
     created_at: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)
     ending: bool = False
+    group_size: int | None = None  # set per session at start; the trainer's default otherwise
     requests: list[float] = field(default_factory=list)  # start times of requests in flight
 
     def busy(self, now: float) -> bool:
@@ -95,14 +96,17 @@ class SessionManager:
 
     # --- lifecycle ----------------------------------------------------------
 
-    async def start(self, task_id: str, key_hash: str, refresh_key_hash: str | None = None) -> str:
+    async def start(
+        self, task_id: str, key_hash: str, refresh_key_hash: str | None = None, group_size: int | None = None
+    ) -> str:
         """Start a session under ``key_hash``; with ``refresh_key_hash`` (the same
-        key) end that key's live session first. Returns the session id."""
+        key) end that key's live session first. ``group_size`` overrides the
+        trainer's group size for this session's task. Returns the session id."""
         if refresh_key_hash is None:
             if not await self.capacity.acquire(0.0):
                 self.counters["rejected"] += 1
                 raise SessionError(429, "no capacity for a new session now; retry later", self.retry_after_s)
-            return self._open(task_id, key_hash)
+            return self._open(task_id, key_hash, group_size)
         if refresh_key_hash in self._refreshing or refresh_key_hash in self._closing:
             raise SessionError(409, "this key is already being refreshed by another request")
         if refresh_key_hash not in self._by_key and refresh_key_hash not in self._ended:
@@ -121,13 +125,14 @@ class SessionManager:
                     self.retry_after_s,
                 )
             self._ended.pop(refresh_key_hash, None)
-            return self._open(task_id, refresh_key_hash)
+            return self._open(task_id, refresh_key_hash, group_size)
         finally:
             self._refreshing.discard(refresh_key_hash)
 
-    def _open(self, task_id: str, key_hash: str) -> str:
+    def _open(self, task_id: str, key_hash: str, group_size: int | None = None) -> str:
         session_id = "sess-" + secrets.token_hex(12)
-        self.sessions[session_id] = Session(session_id, task_id, key_hash, SessionTrajectory(session_id, task_id))
+        trajectory = SessionTrajectory(session_id, task_id)
+        self.sessions[session_id] = Session(session_id, task_id, key_hash, trajectory, group_size=group_size)
         self._by_key[key_hash] = session_id
         self.counters["started"] += 1
         return session_id
@@ -149,9 +154,9 @@ class SessionManager:
         self._by_key.pop(session.key_hash, None)
         session.ending = True
         self._closing.add(session.key_hash)
+        extra = {"end_reason": reason} | ({"group_size": session.group_size} if session.group_size else {})
         records = [
-            {**asdict(sample), "end_reason": reason}
-            for sample in session.trajectory.export(self.export_style, self.turn_discount)
+            {**asdict(sample), **extra} for sample in session.trajectory.export(self.export_style, self.turn_discount)
         ]
         try:
             if records:

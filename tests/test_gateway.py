@@ -157,13 +157,16 @@ def test_areal_flow_at_the_root_base_url_with_refresh(gw):
     root = client(gw, session["api_key"], root=True)  # AReaL clients use the gateway root
     reply = root.chat.completions.create(model="default", messages=ask("What is 9 - 4?"), max_tokens=8)
     assert reply.usage.completion_tokens > 0 and reply.model == "tiny-tools"  # the served name, not the alias
-    refreshed = gw.start_session("areal", api_key=session["api_key"])
+    refreshed = gw.start_session("areal", api_key=session["api_key"], group_size=2)
     assert refreshed["api_key"] == session["api_key"] and refreshed["session_id"] != session["session_id"]
     [old] = [r for r in gw.trajectories() if r["session_id"] == session["session_id"]]
     assert old["end_reason"] == "refreshed" and old["reward"] == 0.0  # no reward set: 0
+    assert "group_size" not in old  # only the refreshed session asked for its own group size
     again = root.chat.completions.create(model="tiny-tools", messages=ask("What is 8 * 8?"), max_tokens=8)
     assert again.id != reply.id
     assert httpx.post(f"{gw.url}/rl/end_session", headers=session_headers(session["api_key"])).status_code == 200
+    [new] = [r for r in gw.trajectories() if r["session_id"] == refreshed["session_id"]]
+    assert new["group_size"] == 2
 
 
 async def test_async_client_runs_sessions_concurrently(gw):

@@ -345,3 +345,18 @@ def test_session_error_survives_pickling():
     assert (err.status, err.message, err.retry_after, str(err)) == (429, "busy", 5.0, "busy")
     err = pickle.loads(pickle.dumps(SessionError(401, "who")))
     assert (err.status, err.message, err.retry_after) == (401, "who", None)
+
+
+async def test_a_session_group_size_is_carried_into_its_records():
+    manager, _, persist = make_manager()
+    sized, plain = hash_key("sized"), hash_key("plain")
+    sized_id = await manager.start("t", sized, group_size=3)
+    plain_id = await manager.start("t", plain)
+    for session_id in (sized_id, plain_id):
+        manager.begin(sized if session_id == sized_id else plain, [])
+        manager.record(session_id, [turn(f"{session_id}-c")])
+    await manager.end(sized)
+    await manager.end(plain)
+    by_session = {r["session_id"]: r for r in persist.records}
+    assert by_session[sized_id]["group_size"] == 3
+    assert "group_size" not in by_session[plain_id]
