@@ -174,6 +174,22 @@ class ServicesConfig(_Section):
     task_url: str | None = Field(None, description="Base URL of a task app that drives the episodes.")
 
 
+class TaskConfig(_Section):
+    """How a task app's episodes are requested (RL jobs with [services] task_url)."""
+
+    env_name: str | None = Field(None, description="Environment name the task app knows.")
+    policy_name: str | None = Field(None, description="Policy name passed to the task app.")
+    env_config: dict = Field(default_factory=dict, description="Passed to the task app as env.config.")
+    policy_config: dict = Field(default_factory=dict, description="Passed to the task app as policy.config.")
+    max_turns: int = Field(10, ge=1, le=10_000, description="Most turns per episode.")
+    max_concurrent: int = Field(8, ge=1, le=10_000, description="Most episodes in flight against the task app.")
+
+
+class EvaluationConfig(_Section):
+    every_n_iters: int = Field(0, ge=0, description="Evaluate every N steps on held-out seeds (0: never).")
+    seeds: list[int] = Field(default_factory=list, description="Held-out seeds evaluated each time.")
+
+
 class RLGateConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -182,6 +198,9 @@ class RLGateConfig(_Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     compute: ComputeConfig = Field(default_factory=ComputeConfig)
     services: ServicesConfig = Field(default_factory=ServicesConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    tags: dict[str, str] = Field(default_factory=dict, description="Free-form labels kept with the run.")
 
     @model_validator(mode="after")
     def _one_replica_count(self) -> RLGateConfig:
@@ -213,6 +232,11 @@ def load_config(path: str | Path) -> RLGateConfig:
 
 
 def parse_config(data: dict, source: str = "config") -> RLGateConfig:
+    """Validate a config mapping; the synth-ai RL TOML shape is recognised and mapped."""
+    from rlgate.synth import from_synth, is_synth_shape
+
+    if is_synth_shape(data):
+        data = from_synth(data, source)
     try:
         return RLGateConfig.model_validate(data)
     except ValidationError as err:

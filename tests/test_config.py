@@ -54,10 +54,15 @@ def test_cluster_yaml_is_a_launcher_config_with_cpu_head_and_gpu_workers():
 
 
 def test_readme_config_reference_lists_every_field():
+    from pydantic import BaseModel
+
     from rlgate.config import RLGateConfig
 
     readme = (ROOT / "README.md").read_text()
     for section_name, section in RLGateConfig.model_fields.items():
+        if not (isinstance(section.annotation, type) and issubclass(section.annotation, BaseModel)):
+            assert f"`{section_name}`" in readme, f"README's config reference lacks the top-level {section_name}"
+            continue
         for field_name in section.annotation.model_fields:
             assert f"`{field_name}`" in readme, f"README's config reference lacks [{section_name}] {field_name}"
 
