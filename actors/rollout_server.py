@@ -6,18 +6,28 @@ trainer (``update_weights``, ``pause``/``resume``, ``version``).
 Owns: one :class:`rlgate.engines.Engine` (vLLM or HF) and its policy version,
 and, when ``[rollout] request_log_size`` > 0, a bounded log of the last
 requests exactly as the engine saw and answered them (for audits and tests).
+
+Every replica follows the run's PolicyStore: it catches up to the latest
+published weights before it takes traffic (also after a restart), then
+long-polls for newer versions and applies them in place.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict
 
 from ray import serve
 
+from actors.policy_store import get_or_create_policy_store
 from rlgate.config import RLGateConfig
 from rlgate.engines import Completion, Engine, SamplingParams, TokenChunk, collect, make_engine
+
+logger = logging.getLogger(__name__)
+POLICY_NAMESPACE = "rlgate"
 
 
 @serve.deployment(
@@ -33,6 +43,29 @@ class RolloutServer:
         self.engine: Engine = make_engine(model_path, settings.rollout, settings.model.dtype, initial_version)
         self.request_log: deque = deque(maxlen=settings.rollout.request_log_size)
         await self.engine.ready()
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.policy = get_or_create_policy_store(
+            f"rlgate-{settings.gateway.run_name}-policy", POLICY_NAMESPACE, initial_version
+        )
+        await self._catch_up(timeout_s=0)  # serve the current policy before taking traffic
+        self._follower = asyncio.create_task(self._follow())
+
+    async def _catch_up(self, timeout_s: float) -> None:
+        latest = await self.policy.newer_than.remote(self.engine.version, timeout_s)
+        if latest is not None:
+            version, [weights] = latest
+            await self.engine.update_weights(await weights, version)
+        await self.policy.ack.remote(self.replica, self.engine.version)
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                await self._catch_up(timeout_s=30.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a failed update is logged and retried; the old weights keep serving
+                logger.exception("applying a published policy version failed; retrying")
+                await asyncio.sleep(5.0)
 
     async def generate(self, prompt_ids: list[int], params: dict) -> AsyncIterator[TokenChunk]:
         """Stream :class:`TokenChunk` deltas; call with ``handle.options(stream=True)``."""
@@ -79,4 +112,6 @@ class RolloutServer:
         await self.engine.check_alive()
 
     async def __del__(self) -> None:
+        self._follower.cancel()
+        await self.policy.forget.remote(self.replica)
         await self.engine.shutdown()

@@ -1,0 +1,106 @@
+"""Publishing weights reaches every RolloutServer replica, and a replica that
+restarts serves the latest version before it takes traffic (real Serve app,
+two HF-engine replicas on tiny-random)."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlgate.config import parse_config
+from rlgate.engines import SamplingParams
+from rlgate.parity import _reference_logprobs
+
+RUN = "policy-test"
+
+
+@pytest.fixture(scope="module")
+def replicas(ray_session):
+    from ray import serve
+
+    from serve_app import build_rollout_app
+
+    config = parse_config(
+        {
+            "model": {"name": "tiny-random"},
+            "rollout": {"engine": "hf", "replicas": 2, "num_cpus": 0.5, "max_model_len": 512},
+            "gateway": {"run_name": RUN},
+        }
+    )
+    handle = serve.run(build_rollout_app(config), name=RUN, route_prefix=None)
+    store = ray_session.get_actor(f"rlgate-{RUN}-policy", namespace="rlgate")
+    yield handle, store
+    serve.delete(RUN)
+    ray_session.kill(store)
+
+
+def generate(handle, prompt):
+    chunks = list(
+        handle.options(stream=True).generate.remote(
+            prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True).model_dump()
+        )
+    )
+    return (
+        [t for c in chunks for t in c.token_ids],
+        [lp for c in chunks for lp in c.logprobs],
+        {v for c in chunks for v in c.versions},
+    )
+
+
+def serving(ray_session, store) -> dict[str, int]:
+    return ray_session.get(store.status.remote())["serving"]
+
+
+def test_both_replicas_report_what_they_serve(replicas, ray_session):
+    _, store = replicas
+    deadline = time.monotonic() + 60
+    while len(serving(ray_session, store)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert sorted(serving(ray_session, store).values()) == [0, 0]
+
+
+def test_a_published_version_reaches_every_replica(replicas, ray_session, reference_model, prompts, tiny_path):
+    handle, store = replicas
+    stepped = copy.deepcopy(reference_model)
+    with torch.no_grad():
+        for parameter in stepped.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    ray_session.get(store.publish.remote(1, [ray_session.put(stepped.state_dict())]))
+    assert ray_session.get(store.wait_served.remote(1, 2, 120))
+    for _ in range(8):  # calls spread over both replicas; every one serves version 1 with the new weights
+        tokens, logprobs, versions = generate(handle, prompts[0])
+        assert versions == {1}
+        assert logprobs == pytest.approx(_reference_logprobs(stepped, prompts[0], tokens), abs=1e-4)
+    with pytest.raises(ValueError, match="not newer than the published version 1"):
+        ray_session.get(store.publish.remote(1, [ray_session.put(load_file(tiny_path / "model.safetensors"))]))
+
+
+def test_a_restarted_replica_catches_up_before_serving(replicas, ray_session):
+    _, store = replicas
+    before = serving(ray_session, store)
+    victim = next(iter(before))
+    ray_session.kill(_replica_actor(ray_session, victim), no_restart=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        now = serving(ray_session, store)
+        fresh = set(now) - set(before)
+        if fresh:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail("no replacement replica registered within 180 s")
+    assert {now[r] for r in fresh} == {1}  # it loaded version 1 before reporting for duty
+
+
+def _replica_actor(ray_session, unique_id: str):
+    """The Serve replica actor whose id is ``unique_id`` (Serve names it ...#<id>)."""
+    [entry] = [
+        e
+        for e in ray_session.util.list_named_actors(all_namespaces=True)
+        if e["name"].startswith("SERVE_REPLICA") and e["name"].endswith(unique_id)
+    ]
+    return ray_session.get_actor(entry["name"], namespace=entry["namespace"])
