@@ -1,0 +1,160 @@
+"""One GRPO training step on one worker, in plain torch (no Ray).
+
+``train_driver.py`` runs this inside Ray Train workers; tests run it directly.
+
+Records from the TrajectoryStore become a :class:`TrainBatch` aligned to
+*predicted* tokens: position ``t`` holds the token ``input_ids[t + 1]``, its
+loss-mask bit, its behaviour logprob and the policy version that sampled it.
+A step then:
+
+1. drops every sampled token older than ``version - max_staleness`` (counted);
+2. recomputes the proximal log-probs with the current weights (no grad) and
+   reports the train/rollout mismatch on tokens sampled by this very version;
+3. takes ``updates_per_batch`` optimizer steps, each over ``grad_accumulation``
+   micro-batches whose losses are normalised by the *global* token or
+   sequence count, so splitting (micro-batches, data-parallel workers) does
+   not change the gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlgate.grpo import LossConfig, PolicyBatch, policy_loss
+
+
+@dataclass
+class TrainBatch:
+    """[B, T] tensors aligned to predicted tokens (T = longest sequence - 1)."""
+
+    input_ids: torch.Tensor  # [B, T + 1] right-padded inputs
+    attention_mask: torch.Tensor  # [B, T + 1]
+    loss_mask: torch.Tensor  # [B, T] 1 on sampled tokens to train on
+    behaviour_logp: torch.Tensor  # [B, T]
+    versions: torch.Tensor  # [B, T] -1 on tokens the model did not sample
+    advantages: torch.Tensor  # [B]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def rows(self, index: slice) -> TrainBatch:
+        return TrainBatch(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
+
+
+def collate(records: list[dict], advantages: list[float], pad_id: int = 0) -> TrainBatch:
+    """Records (``input_ids``, ``loss_mask``, ``logprobs``, ``versions``) to a TrainBatch."""
+    width = max(len(r["input_ids"]) for r in records)
+    rows = len(records)
+    ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((rows, width), dtype=torch.long)
+    mask = torch.zeros((rows, width - 1))
+    behaviour = torch.zeros((rows, width - 1))
+    versions = torch.full((rows, width - 1), -1, dtype=torch.long)
+    for row, record in enumerate(records):
+        n = len(record["input_ids"])
+        ids[row, :n] = torch.tensor(record["input_ids"])
+        attention[row, :n] = 1
+        mask[row, : n - 1] = torch.tensor(record["loss_mask"][1:], dtype=torch.float32)
+        behaviour[row, : n - 1] = torch.tensor(record["logprobs"][1:], dtype=torch.float32)
+        versions[row, : n - 1] = torch.tensor(record["versions"][1:])
+    return TrainBatch(ids, attention, mask, behaviour, versions, torch.tensor(advantages, dtype=torch.float32))
+
+
+def token_logprobs(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    """[B, T] log-probs of each predicted token under ``model`` (float32)."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+
+
+@dataclass
+class StepSettings:
+    variety_loss: str = "ppo_clip"  # a key of rlgate.grpo.POLICY_LOSSES
+    loss: LossConfig = LossConfig()
+    max_staleness: int = 0
+    updates_per_batch: int = 1
+    grad_accumulation: int = 1
+    max_grad_norm: float = 1.0
+
+
+def normaliser(mask: torch.Tensor, aggregation: str) -> float:
+    """The denominator that makes the aggregated loss a mean over this whole batch."""
+    if aggregation == "token_mean":
+        return float(mask.sum().clamp(min=1))
+    if aggregation == "seq_mean_token_mean":
+        return float(mask.shape[0])
+    return float(mask.shape[0] * mask.shape[1])
+
+
+class PolicyTrainer:
+    """Owns a model and its optimizer; ``step`` is one GRPO update."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        settings: StepSettings,
+        reference: torch.nn.Module | None = None,
+    ) -> None:
+        self.model, self.optimizer, self.settings, self.reference = model, optimizer, settings, reference
+
+    def step(
+        self, batch: TrainBatch, version: int, global_normaliser: float | None = None, scale: float = 1.0
+    ) -> dict[str, float]:
+        """Train on ``batch`` as the policy at ``version``; return metrics.
+
+        ``global_normaliser`` is the loss denominator over every worker's part
+        of the batch (default: this part alone); ``scale`` multiplies the loss,
+        e.g. by the world size to undo data-parallel gradient averaging.
+        """
+        s = self.settings
+        sampled = batch.versions >= 0
+        stale = sampled & (batch.versions < version - s.max_staleness) & (batch.loss_mask > 0)
+        mask = batch.loss_mask * (~stale).float()
+        with torch.no_grad():
+            self.model.eval()
+            proximal = token_logprobs(self.model, batch)
+            reference = token_logprobs(self.reference, batch) if self.reference is not None else None
+        current = (batch.versions == version) & (mask > 0)
+        mismatch = (proximal - batch.behaviour_logp).abs()[current]
+        denominator = global_normaliser or normaliser(mask, s.loss.aggregation)
+        self.model.train()
+        metrics: dict[str, float] = {}
+        losses = []
+        for _ in range(s.updates_per_batch):
+            self.optimizer.zero_grad(set_to_none=True)
+            total = 0.0
+            for part in torch.arange(len(batch)).tensor_split(s.grad_accumulation):
+                if len(part) == 0:
+                    continue
+                rows = slice(int(part[0]), int(part[-1]) + 1)
+                micro = batch.rows(rows)
+                loss, metrics = policy_loss(
+                    PolicyBatch(
+                        logp=token_logprobs(self.model, micro),
+                        old_logp=proximal[rows],
+                        advantages=micro.advantages,
+                        mask=mask[rows],
+                        behaviour_logp=micro.behaviour_logp,
+                        ref_logp=reference[rows] if reference is not None else None,
+                    ),
+                    s.loss,
+                    s.variety_loss,
+                    normalizer=denominator,
+                )
+                (loss * scale).backward()
+                total += loss.item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.max_grad_norm)
+            self.optimizer.step()
+            losses.append(total)
+        self.model.eval()
+        return {
+            "loss": losses[-1],
+            "grad_norm": float(grad_norm),
+            "trained_tokens": float(mask.sum()),
+            "stale_tokens_dropped": float(stale.sum()),
+            "logprob_mismatch_mean": float(mismatch.mean()) if mismatch.numel() else 0.0,
+            "logprob_mismatch_max": float(mismatch.max()) if mismatch.numel() else 0.0,
+            **{f"loss_{k}": v for k, v in metrics.items()},
+        }
