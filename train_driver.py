@@ -1,22 +1,196 @@
-"""rlgate's RL loop as a Ray job (GRPO on Ray Train).
+"""rlgate's RL loop as a Ray job: GRPO on Ray Train, fed by live sessions.
 
-The training loop is not built yet: it lands with the trainer work (placement
-group, Ray Train GRPO, weight sync, capacity grants, checkpoints). Until then
-this entry point says so instead of pretending to train.
+    python train_driver.py --config configs/demo.toml [--resume]
+    ray job submit --working-dir . -- python train_driver.py --config configs/demo.toml
+
+Starts (or joins) Ray, serves the gateway and rollout engines throughout, and
+trains: collect whole groups of finished episodes → group-relative advantages
+→ optimizer step on the Ray Train workers → every engine serves the new
+version → the capacity actor admits the next sessions → log. Episodes come
+from a built-in task (``[task] builtin``) or from any external agent using
+the gateway (online mode: with no sessions, it waits).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import sys
+import threading
+import time
+from pathlib import Path
+
+import ray
+from ray import serve
+
+from rlgate.batching import GroupBuffer
+from rlgate.config import RLGateConfig, load_config
+from rlgate.loop import NAMESPACE, Trainer, collect, normaliser, score
+from rlgate.runlog import RunLog
+from rlgate.sessions import hash_key
+from rlgate.tasks import get_task, play_in_background
+from serve_app import admin_key, build_app, resolve_model
 
 
 def main() -> int:
-    print(
-        "rlgate: train_driver.py has no training loop yet; `make demo` serves the model and "
-        "runs a scripted chat through the rollout engine in the meantime.",
-        file=sys.stderr,
+    parser = argparse.ArgumentParser(description="Train a policy with GRPO from live sessions.")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
+    args = parser.parse_args()
+    config = load_config(args.config)
+    run_dir = Path(config.gateway.run_dir, config.gateway.run_name).resolve()
+    training, algorithm = config.training, config.algorithm.resolved(config.training.max_staleness)
+    step, version, buffer_state, weights = resume_point(run_dir, args.resume)
+    if weights is not None:  # engines start on the checkpoint's weights
+        config.model.name = str(weights)
+
+    ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE)
+    run = f"rlgate-{config.gateway.run_name}"
+    if not args.resume:
+        forget_earlier_run(run)
+    url, key = serve_gateway(config, version)
+    trajectories = ray.get_actor(f"{run}-trajectories", namespace=NAMESPACE)
+    capacity = ray.get_actor(f"{run}-capacity", namespace=NAMESPACE)
+    policy = ray.get_actor(f"{run}-policy", namespace=NAMESPACE)
+    buffer_settings = dict(
+        batch_size=training.batch_size,
+        group_size=training.group_size,
+        group_timeout_s=training.group_timeout_s,
+        drop_equal_reward_groups=algorithm["drop_equal_reward_groups"],
     )
-    return 2
+    if buffer_state is None:  # a fresh run trains on episodes that finish from now on
+        last = ray.get(trajectories.stats.remote())["trajectories"]
+        buffer_state = {"watermark": last, "done_above": []}
+    buffer = GroupBuffer.restore(buffer_state, **buffer_settings)
+    trainer = Trainer(
+        {
+            "settings": config.model_dump(),
+            "model_path": resolve_model(config),
+            "channel": f"{run}-train",
+            "policy": f"{run}-policy",
+        },
+        config.compute.trainer_workers,
+        config.compute.gpus_per_worker,
+        config.compute.cpus_per_worker,
+        storage=run_dir,
+        name="trainer",
+    )
+    ray.get(capacity.grant.remote(training.batch_size, training.max_staleness))
+    episodes = start_episodes(config, url, key)
+    log = RunLog(run_dir, training.total_steps, step)
+    stopping = threading.Event()
+    try:
+        while step < training.total_steps:
+            batch = collect(buffer, trajectories, stopping)  # whole groups of finished episodes
+            records, advantages = score(batch, algorithm["advantage"])  # group-relative advantages
+            started = time.monotonic()
+            step += 1
+            metrics = trainer.step(  # optimizer step(s) on the Ray Train workers
+                records,
+                advantages,
+                version,
+                normaliser(records, version, training.max_staleness, algorithm["aggregation"]),
+                save=save_due(step, training),
+                driver_state={"step": step, "buffer": buffer.state()},
+            )
+            version += 1
+            synced = time.monotonic()
+            ray.get(policy.wait_served.remote(version, config.rollout.replicas))  # every engine serves v + 1
+            ray.get(capacity.on_new_version.remote(version))  # admit the next sessions
+            log.log(step, summarise(records, metrics, version, buffer, started, synced))
+    except KeyboardInterrupt:
+        print("rlgate: interrupted; writing the reward curve", file=sys.stderr)
+    finally:
+        stopping.set()
+        if episodes is not None:
+            episodes.set()
+        trainer.stop()
+        log.close()
+        plot = log.plot()
+        print(
+            f"rlgate: {step} steps, policy version {version}; metrics in {log.path}"
+            + (f", reward curve {plot}" if plot else "")
+        )
+        serve.shutdown()
+    return 0
+
+
+def serve_gateway(config: RLGateConfig, version: int) -> tuple[str, str]:
+    """The gateway and rollout engines on Serve's HTTP proxy; returns the URL and admin key."""
+    host, port = config.gateway.host, config.gateway.port
+    key, generated = admin_key(host)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(config, hash_key(key), initial_version=version), name="rlgate", route_prefix="/")
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    print(f"rlgate: gateway at {url} (OpenAI base URL {url}/v1)", flush=True)
+    if generated:
+        print(f"rlgate: admin key (shown once; set RLGATE_ADMIN_KEY to choose it): {key}", flush=True)
+    return url, key
+
+
+def start_episodes(config: RLGateConfig, url: str, key: str) -> threading.Event | None:
+    """Play the built-in task, if one is configured; else wait for external agents (online mode)."""
+    if config.task.builtin is None:
+        print("rlgate: online mode: training on sessions that agents run through the gateway", flush=True)
+        return None
+    _, stop = play_in_background(
+        url,
+        key,
+        get_task(config.task.builtin),
+        config.training.group_size,
+        config.task.max_concurrent,
+        max_tokens=config.task.max_tokens,
+        temperature=config.task.temperature,
+        seed=config.training.seed,
+    )
+    return stop
+
+
+def resume_point(run_dir: Path, resume: bool) -> tuple[int, int, dict | None, Path | None]:
+    """(step, version, GroupBuffer state, model folder) of the latest checkpoint, or a fresh start."""
+    found = {p.parent: json.loads(p.read_text()) for p in run_dir.glob("trainer/checkpoint_*/trainer_state.json")}
+    if not resume:
+        if found:
+            raise SystemExit(
+                f"rlgate: {run_dir} already has checkpoints; pass --resume to continue it, "
+                "or set another [gateway] run_name"
+            )
+        return 0, 0, None, None
+    if not found:
+        raise SystemExit(f"rlgate: --resume, but {run_dir} has no checkpoint")
+    folder, state = max(found.items(), key=lambda item: item[1]["next_command"])
+    return state["driver"]["step"], state["version"], state["driver"]["buffer"], folder / "model"
+
+
+def forget_earlier_run(run: str) -> None:
+    """A fresh run must not inherit published weights, sessions or capacity
+    counts left in the cluster by an earlier run of the same name."""
+    for suffix in ("policy", "capacity", "sessions"):
+        try:
+            ray.kill(ray.get_actor(f"{run}-{suffix}", namespace=NAMESPACE))
+        except ValueError:
+            pass  # no such actor: nothing to forget
+
+
+def save_due(step: int, training) -> bool:
+    return step == training.total_steps or bool(training.save_every and step % training.save_every == 0)
+
+
+def summarise(records, metrics, version, buffer, started, synced) -> dict:
+    sampled = [(version - 1) - v for r in records for m, v in zip(r["loss_mask"], r["versions"]) if m]
+    elapsed = time.monotonic() - started
+    return {
+        "version": version,
+        "reward_mean": sum(r["reward"] for r in records) / len(records),
+        "samples": len(records),
+        "dropped": metrics["stale_tokens_dropped"] + buffer.counters.dropped_equal_reward,
+        "staleness": sum(sampled) / max(1, len(sampled)),
+        "tokens_per_s": metrics["trained_tokens"] / max(elapsed, 1e-9),
+        "step_s": elapsed,
+        "sync_s": time.monotonic() - synced,
+        **{f"train_{k}": v for k, v in metrics.items()},
+    }
 
 
 if __name__ == "__main__":

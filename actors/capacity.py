@@ -30,11 +30,15 @@ class CapacityActor:
         self.accepted = 0
         self.rejected = 0
         self.version = 0
+        # What a trainer's staleness rule counts from: sessions accepted and
+        # versions published before it attached are not its business.
+        self.accepted_base = 0
+        self.version_base = 0
         # Notified on every change that can free a slot (release, new version, new settings).
         self._changed = asyncio.Condition()
 
     def _free(self) -> int:
-        return free_slots(self.rule, self.running, self.accepted, self.version)
+        return free_slots(self.rule, self.running, self.accepted - self.accepted_base, self.version - self.version_base)
 
     async def acquire(self, timeout_s: float = 0.0) -> bool:
         """Take one slot, waiting up to ``timeout_s`` for one; False (a rejection) on timeout."""
@@ -62,7 +66,10 @@ class CapacityActor:
             self._changed.notify_all()
 
     async def grant(self, batch_size: int, max_staleness: int) -> None:
-        """A trainer attaches (or changes its settings): admit by the staleness rule."""
+        """A trainer attaches (or changes its settings): admit by the staleness rule,
+        counting accepted sessions and versions from now."""
+        if self.rule.batch_size is None:
+            self.accepted_base, self.version_base = self.accepted, self.version
         await self._set_rule(batch_size=batch_size, max_staleness=max_staleness)
 
     async def detach(self) -> None:

@@ -175,8 +175,13 @@ class ServicesConfig(_Section):
 
 
 class TaskConfig(_Section):
-    """How a task app's episodes are requested (RL jobs with [services] task_url)."""
+    """Where episodes come from: a built-in task, or a task app ([services] task_url)."""
 
+    builtin: Literal["vowels", "arithmetic"] | None = Field(
+        None, description="Play a built-in task through the gateway (train_driver's own agent loop)."
+    )
+    max_tokens: int = Field(32, ge=1, le=32_768, description="Built-in task: most tokens per reply.")
+    temperature: float = Field(1.0, ge=0, le=2, description="Built-in task: sampling temperature.")
     env_name: str | None = Field(None, description="Environment name the task app knows.")
     policy_name: str | None = Field(None, description="Policy name passed to the task app.")
     env_config: dict = Field(default_factory=dict, description="Passed to the task app as env.config.")

@@ -238,3 +238,16 @@ async def test_the_named_actor_is_shared(make_capacity, ray_session):
     stats = await again.stats.remote()
     assert (stats["running"], stats["max_concurrent"]) == (1, 4)
     assert (await ray_session.get_actor(name, namespace=NAMESPACE).stats.remote())["running"] == 1
+
+
+async def test_a_trainer_counts_sessions_and_versions_from_when_it_attaches(make_capacity):
+    capacity = make_capacity(10)
+    for _ in range(5):  # sessions served before any trainer attached
+        assert await capacity.acquire.remote()
+        await capacity.release.remote(accepted=True)
+    await capacity.on_new_version.remote(7)
+    await capacity.grant.remote(batch_size=2, max_staleness=0)
+    # from the trainer's point of view: version 0, nothing accepted yet -> one batch of 2
+    assert [await capacity.acquire.remote() for _ in range(3)] == [True, True, False]
+    await capacity.grant.remote(batch_size=3, max_staleness=0)  # new settings keep the same starting point
+    assert await capacity.acquire.remote() is True

@@ -1,0 +1,53 @@
+"""TrainChannel: the driver's commands to the Ray Train workers, and their results.
+
+Created by ``train_driver.py`` (a named actor per run). Ray Train's
+``fit()`` blocks, so the driver runs it in a thread and keeps the algorithm
+loop itself: it ``submit``s numbered commands (a training step, a checkpoint,
+stop) and waits for ``results``; every worker ``fetch``es command after
+command and reports ``done``. Workers restarted by Ray Train after a failure
+resume fetching after the step in their checkpoint, so a command already
+applied before the checkpoint is never applied twice.
+Owns: the command list and each command's per-rank results (in memory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import ray
+
+
+@ray.remote(num_cpus=0)
+class TrainChannel:
+    def __init__(self) -> None:
+        self.commands: list[dict] = []
+        self.results: dict[int, dict[int, dict]] = {}
+        self._changed = asyncio.Condition()
+
+    async def submit(self, command: dict) -> int:
+        async with self._changed:
+            self.commands.append(command)
+            self._changed.notify_all()
+            return len(self.commands) - 1
+
+    async def fetch(self, index: int) -> dict:
+        """Command ``index``, once the driver has submitted it."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: len(self.commands) > index)
+            return self.commands[index]
+
+    async def done(self, index: int, rank: int, result: dict) -> None:
+        async with self._changed:
+            self.results.setdefault(index, {})[rank] = result
+            self._changed.notify_all()
+
+    async def wait(self, index: int, world: int, timeout_s: float) -> dict[int, dict] | None:
+        """Every rank's result for command ``index``; None on timeout."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: len(self.results.get(index, {})) >= world), timeout_s
+                )
+            except TimeoutError:
+                return None
+            return self.results[index]

@@ -1,0 +1,124 @@
+"""GRPO trainer workers: the function Ray Train runs on each worker.
+
+Created by ``train_driver.py`` through a ``TorchTrainer``: ``[compute]
+trainer_workers`` workers on a placement group that Ray Train reserves (GPU
+bundles when ``gpus_per_worker`` > 0, CPU bundles otherwise), data parallel
+(DDP; gloo on CPU). Called through the run's TrainChannel: each command is a
+training step on a batch (every worker takes its share of the rows), and
+optionally a checkpoint. After a step, rank 0 publishes the new weights to
+the PolicyStore, from which every RolloutServer replica loads them.
+Owns: the policy model, its optimizer, and a frozen reference when
+``[algorithm] kl_coef`` > 0. A worker restarted by Ray Train resumes from the
+latest checkpoint: weights, optimizer, and the next command to run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from pathlib import Path
+
+import ray
+import torch
+from ray.train import Checkpoint
+
+from rlgate.config import RLGateConfig
+from rlgate.grpo import LossConfig
+from rlgate.trainer import PolicyTrainer, StepSettings, collate
+
+NAMESPACE = "rlgate"
+STATE_FILE = "trainer_state.json"
+
+
+def shard(rows: list, rank: int, world: int) -> list:
+    """Rank ``rank``'s share of ``rows``, padded so every rank gets as many rows
+    (and so runs as many forward/backward passes): padding rows have no loss."""
+    mine = rows[rank::world]
+    width = math.ceil(len(rows) / world)
+    padding = {**rows[0][0], "loss_mask": [0] * len(rows[0][0]["loss_mask"])}
+    return mine + [(padding, 0.0)] * (width - len(mine))
+
+
+def step_settings(settings: RLGateConfig) -> StepSettings:
+    training = settings.training
+    algorithm = settings.algorithm.resolved(training.max_staleness)
+    return StepSettings(
+        variety_loss=algorithm["loss"],
+        loss=LossConfig(
+            clip_low=algorithm["clip_low"],
+            clip_high=algorithm["clip_high"],
+            behaviour_weight_cap=algorithm["behaviour_weight_cap"],
+            aggregation=algorithm["aggregation"],
+            kl_coef=algorithm["kl_coef"],
+        ),
+        max_staleness=training.max_staleness,
+        updates_per_batch=training.updates_per_batch,
+        grad_accumulation=training.grad_accumulation,
+        max_grad_norm=training.max_grad_norm,
+    )
+
+
+def train_worker(setup: dict) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    settings = RLGateConfig.model_validate(setup["settings"])
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    channel = ray.get_actor(setup["channel"], namespace=NAMESPACE)
+    policy = ray.get_actor(setup["policy"], namespace=NAMESPACE)
+    torch.manual_seed(settings.training.seed)
+    tokenizer = AutoTokenizer.from_pretrained(setup["model_path"])
+    pad_id = tokenizer.pad_token_id or 0
+
+    index, optimizer_state = 0, None
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        model = AutoModelForCausalLM.from_pretrained(setup["model_path"], dtype=torch.float32)
+    else:  # a restart after a failure, or --resume
+        with checkpoint.as_directory() as folder:
+            index = json.loads((Path(folder) / STATE_FILE).read_text())["next_command"]
+            model = AutoModelForCausalLM.from_pretrained(Path(folder) / "model", dtype=torch.float32)
+            optimizer_state = torch.load(Path(folder) / "optimizer.pt", weights_only=True)
+    reference = None
+    if settings.algorithm.kl_coef > 0:
+        reference = AutoModelForCausalLM.from_pretrained(setup["model_path"], dtype=torch.float32).eval()
+    model = ray.train.torch.prepare_model(model)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=settings.training.learning_rate, weight_decay=settings.training.weight_decay
+    )
+    if optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)
+    trainer = PolicyTrainer(model, optimizer, step_settings(settings), reference)
+    plain = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+    while (command := ray.get(channel.fetch.remote(index)))["op"] != "stop":
+        records, advantages = ray.get(command["batch"][0])
+        rows = shard(list(zip(records, advantages)), rank, world)
+        batch = collate([r for r, _ in rows], [a for _, a in rows], pad_id)
+        metrics = trainer.step(batch, command["version"], command["normaliser"], scale=float(world))
+        new_version = command["version"] + 1
+        if rank == 0:
+            weights = {name: tensor.detach().cpu() for name, tensor in plain.state_dict().items()}
+            published = ray.get(policy.status.remote())["version"]
+            if new_version > published:  # a restarted worker repeats steps after its checkpoint
+                ray.get(policy.publish.remote(new_version, [ray.put(weights)]))
+        if command.get("save"):
+            _save(plain, tokenizer, optimizer, index + 1, new_version, command.get("driver_state"), rank, metrics)
+        ray.get(channel.done.remote(index, rank, metrics))
+        index += 1
+
+
+def _save(model, tokenizer, optimizer, next_command, version, driver_state, rank, metrics) -> None:
+    """A Ray Train checkpoint: the model in Hugging Face format (loadable by
+    transformers and vLLM), the optimizer, and where to resume."""
+    with tempfile.TemporaryDirectory(prefix="rlgate-checkpoint-") as folder:
+        checkpoint = None
+        if rank == 0:
+            model.save_pretrained(Path(folder) / "model", safe_serialization=True)
+            tokenizer.save_pretrained(Path(folder) / "model")
+            torch.save(optimizer.state_dict(), Path(folder) / "optimizer.pt")
+            state = {"next_command": next_command, "version": version, "driver": driver_state}
+            (Path(folder) / STATE_FILE).write_text(json.dumps(state))
+            checkpoint = Checkpoint.from_directory(folder)
+        ray.train.report({**metrics, "version": version}, checkpoint=checkpoint)

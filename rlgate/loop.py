@@ -1,0 +1,136 @@
+"""The pieces of the training loop that ``train_driver.py`` strings together.
+
+* :func:`collect`: read saved trajectories and wait for a batch of whole groups.
+* :func:`score`: group-relative advantages (partial groups over the batch).
+* :func:`normaliser`: the loss denominator over the whole batch, for every worker.
+* :class:`Trainer`: Ray Train's ``TorchTrainer`` running ``actors.trainer.train_worker``
+  in a thread, driven one command at a time through the run's TrainChannel.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+from rlgate.batching import Batch, GroupBuffer
+from rlgate.grpo import group_advantages
+
+NAMESPACE = "rlgate"
+
+
+def collect(buffer: GroupBuffer, trajectories, stop: threading.Event, poll_s: float = 0.5) -> Batch | None:
+    """Block until the buffer can hand out a batch (None once ``stop`` is set)."""
+    while not stop.is_set():
+        records = ray.get(trajectories.read.remote(buffer.last_read, 1000))
+        buffer.add(records)
+        batch = buffer.take()
+        if batch is not None:
+            return batch
+        if len(records) < 1000:
+            stop.wait(poll_s)
+    return None
+
+
+def score(batch: Batch, estimator: str) -> tuple[list[dict], list[float]]:
+    """Records and their advantages: within each whole group, and over the
+    whole batch for partial groups (which have no group to compare with)."""
+    records = batch.records
+    rewards = torch.tensor([r["reward"] for r in records], dtype=torch.float64)
+    group_of = {id(r): i for i, g in enumerate(batch.groups) for r in g.records}
+    partial = torch.tensor([id(r) not in group_of for r in records])
+    within = group_advantages(rewards, torch.tensor([group_of.get(id(r), -1) for r in records]), estimator)
+    over_batch = group_advantages(rewards, torch.zeros(len(records), dtype=torch.long), estimator)
+    return records, torch.where(partial, over_batch, within).tolist()
+
+
+def normaliser(records: list[dict], version: int, max_staleness: int, aggregation: str) -> float:
+    """The aggregation's denominator over the whole batch, after stale tokens are dropped."""
+    if aggregation == "seq_mean_token_mean":
+        return float(len(records))
+    if aggregation == "seq_mean_token_sum_norm":
+        return float(len(records) * (max(len(r["input_ids"]) for r in records) - 1))
+    oldest = version - max_staleness
+    return float(max(1, sum(m and v >= oldest for r in records for m, v in zip(r["loss_mask"][1:], r["versions"][1:]))))
+
+
+class Trainer:
+    """Ray Train workers behind a synchronous ``step`` call."""
+
+    def __init__(
+        self,
+        setup: dict,
+        workers: int,
+        gpus_per_worker: float,
+        cpus_per_worker: float,
+        storage: Path,
+        name: str,
+        max_failures: int = 3,
+    ) -> None:
+        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+
+        from actors.train_channel import TrainChannel
+        from actors.trainer import train_worker
+
+        self.channel = TrainChannel.options(name=setup["channel"], namespace=NAMESPACE).remote()
+        resources = {"CPU": cpus_per_worker} | ({"GPU": gpus_per_worker} if gpus_per_worker else {})
+        self.workers = workers
+        self._trainer = TorchTrainer(
+            train_worker,
+            train_loop_config=setup,
+            scaling_config=ScalingConfig(
+                num_workers=workers, use_gpu=gpus_per_worker > 0, resources_per_worker=resources
+            ),
+            run_config=RunConfig(
+                name=name,
+                storage_path=str(storage),
+                failure_config=FailureConfig(max_failures=max_failures),
+                checkpoint_config=CheckpointConfig(num_to_keep=3),
+            ),
+        )
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._fit, name="ray-train-fit", daemon=True)
+        self._thread.start()
+
+    def _fit(self) -> None:
+        try:
+            self._trainer.fit()
+        except BaseException as err:  # surfaced by step()
+            self.error = err
+
+    def step(
+        self,
+        records: list[dict],
+        advantages: list[float],
+        version: int,
+        normaliser: float,
+        save: bool = False,
+        driver_state: dict | None = None,
+        timeout_s: float = 3600,
+    ) -> dict:
+        """One optimizer step (or ``updates_per_batch``) on every worker; rank 0's metrics."""
+        command = {
+            "op": "step",
+            "batch": [ray.put((records, advantages))],
+            "version": version,
+            "normaliser": normaliser,
+            "save": save,
+            "driver_state": driver_state,
+        }
+        index = ray.get(self.channel.submit.remote(command))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.error is not None:
+                raise RuntimeError(f"the trainer workers failed: {self.error}") from self.error
+            results = ray.get(self.channel.wait.remote(index, self.workers, 5.0))
+            if results is not None:
+                return results[0]
+        raise TimeoutError(f"training step {index} did not finish within {timeout_s} s")
+
+    def stop(self, timeout_s: float = 120) -> None:
+        ray.get(self.channel.submit.remote({"op": "stop"}))
+        self._thread.join(timeout_s)

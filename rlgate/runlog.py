@@ -1,0 +1,91 @@
+"""What a training run shows and keeps: a live progress bar, ``metrics.jsonl``,
+Ray dashboard metrics (``ray.util.metrics``), and a reward-curve PNG."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+SHOWN = ("reward_mean", "samples", "dropped", "staleness", "tokens_per_s", "step_s")
+
+
+class RunLog:
+    def __init__(self, folder: Path, total_steps: int, first_step: int = 0, show: bool = True) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / "metrics.jsonl"
+        self.progress = Progress(
+            TextColumn("[bold]step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[summary]}"),
+            disable=not show,
+        )
+        self.task = self.progress.add_task("train", total=total_steps, completed=first_step, summary="waiting")
+        self.progress.start()
+        self.gauges = _gauges()
+
+    def log(self, step: int, metrics: dict) -> None:
+        record = {"step": step, "time": time.time(), **metrics}
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        summary = "  ".join(f"{k}={metrics[k]:.3g}" for k in SHOWN if k in metrics)
+        self.progress.update(self.task, completed=step, summary=summary)
+        for name, gauge in self.gauges.items():
+            if name in metrics:
+                gauge.set(float(metrics[name]))
+
+    def history(self) -> list[dict]:
+        if not self.path.is_file():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def plot(self) -> Path | None:
+        """Write ``reward_curve.png`` (mean reward per step); None without data."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = [r for r in self.history() if "reward_mean" in r]
+        if not rows:
+            return None
+        figure, axis = plt.subplots(figsize=(6, 3.5))
+        axis.plot([r["step"] for r in rows], [r["reward_mean"] for r in rows], marker="o")
+        axis.set_xlabel("step")
+        axis.set_ylabel("mean reward")
+        axis.set_title(self.folder.name)
+        axis.grid(alpha=0.3)
+        figure.tight_layout()
+        path = self.folder / "reward_curve.png"
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
+        return path
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+def _gauges() -> dict:
+    """Dashboard gauges; none when Ray is not initialised (e.g. in unit tests)."""
+    import ray
+
+    if not ray.is_initialized():
+        return {}
+    from ray.util.metrics import Gauge
+
+    names = {
+        "reward_mean": "Mean reward of the last training batch",
+        "step_s": "Seconds per training step",
+        "version": "Policy version served",
+        "staleness": "Mean staleness (versions) of trained tokens",
+        "samples": "Samples in the last batch",
+        "dropped": "Tokens dropped as too stale in the last batch",
+        "tokens_per_s": "Trained tokens per second",
+        "sync_s": "Seconds to get new weights to every replica",
+    }
+    return {name: Gauge(f"rlgate_train_{name}", description=text) for name, text in names.items()}
