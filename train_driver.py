@@ -41,7 +41,7 @@ def main() -> int:
     config = load_config(args.config)
     run_dir = Path(config.gateway.run_dir, config.gateway.run_name).resolve()
     training, algorithm = config.training, config.algorithm.resolved(config.training.max_staleness)
-    step, version, buffer_state, weights = resume_point(run_dir, args.resume)
+    step, version, buffer_state, weights, first_command = resume_point(run_dir, args.resume)
     if weights is not None:  # engines start on the checkpoint's weights
         config.model.name = str(weights)
 
@@ -75,14 +75,17 @@ def main() -> int:
         config.compute.cpus_per_worker,
         storage=run_dir,
         name="trainer",
+        first_command=first_command,
     )
+    ray.get(capacity.on_new_version.remote(version))  # a resumed run counts from its own version
     ray.get(capacity.grant.remote(training.batch_size, training.max_staleness))
     episodes = start_episodes(config, url, key)
     log = RunLog(run_dir, training.total_steps, step)
     stopping = threading.Event()
     try:
         while step < training.total_steps:
-            batch = collect(buffer, trajectories, stopping)  # whole groups of finished episodes
+            # whole groups of finished episodes that the current policy may train on
+            batch = collect(buffer, trajectories, stopping, version, training.max_staleness)
             records, advantages = score(batch, algorithm["advantage"])  # group-relative advantages
             started = time.monotonic()
             step += 1
@@ -99,6 +102,7 @@ def main() -> int:
             ray.get(policy.wait_served.remote(version, config.rollout.replicas))  # every engine serves v + 1
             ray.get(capacity.on_new_version.remote(version))  # admit the next sessions
             log.log(step, summarise(records, metrics, version, buffer, started, synced))
+            log.batch(step, [r["seq"] for r in records])
     except KeyboardInterrupt:
         print("rlgate: interrupted; writing the reward curve", file=sys.stderr)
     finally:
@@ -147,8 +151,9 @@ def start_episodes(config: RLGateConfig, url: str, key: str) -> threading.Event 
     return stop
 
 
-def resume_point(run_dir: Path, resume: bool) -> tuple[int, int, dict | None, Path | None]:
-    """(step, version, GroupBuffer state, model folder) of the latest checkpoint, or a fresh start."""
+def resume_point(run_dir: Path, resume: bool) -> tuple[int, int, dict | None, Path | None, int]:
+    """(step, version, GroupBuffer state, model folder, next trainer command) of the
+    latest checkpoint, or a fresh start."""
     found = {p.parent: json.loads(p.read_text()) for p in run_dir.glob("trainer/checkpoint_*/trainer_state.json")}
     if not resume:
         if found:
@@ -156,11 +161,12 @@ def resume_point(run_dir: Path, resume: bool) -> tuple[int, int, dict | None, Pa
                 f"rlgate: {run_dir} already has checkpoints; pass --resume to continue it, "
                 "or set another [gateway] run_name"
             )
-        return 0, 0, None, None
+        return 0, 0, None, None, 0
     if not found:
         raise SystemExit(f"rlgate: --resume, but {run_dir} has no checkpoint")
     folder, state = max(found.items(), key=lambda item: item[1]["next_command"])
-    return state["driver"]["step"], state["version"], state["driver"]["buffer"], folder / "model"
+    driver = state["driver"]
+    return driver["step"], state["version"], driver["buffer"], folder / "model", state["next_command"]
 
 
 def forget_earlier_run(run: str) -> None:
@@ -184,7 +190,8 @@ def summarise(records, metrics, version, buffer, started, synced) -> dict:
         "version": version,
         "reward_mean": sum(r["reward"] for r in records) / len(records),
         "samples": len(records),
-        "dropped": metrics["stale_tokens_dropped"] + buffer.counters.dropped_equal_reward,
+        "dropped": buffer.counters.dropped,  # samples dropped so far: equal rewards, partial, stale
+        "stale_tokens_dropped": metrics["stale_tokens_dropped"],
         "staleness": sum(sampled) / max(1, len(sampled)),
         "tokens_per_s": metrics["trained_tokens"] / max(elapsed, 1e-9),
         "step_s": elapsed,

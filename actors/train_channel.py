@@ -19,21 +19,24 @@ import ray
 
 @ray.remote(num_cpus=0)
 class TrainChannel:
-    def __init__(self) -> None:
-        self.commands: list[dict] = []
+    def __init__(self, first_index: int = 0) -> None:
+        # A resumed run continues the numbering its checkpoint recorded.
+        self.next_index = first_index
+        self.commands: dict[int, dict] = {}
         self.results: dict[int, dict[int, dict]] = {}
         self._changed = asyncio.Condition()
 
     async def submit(self, command: dict) -> int:
         async with self._changed:
-            self.commands.append(command)
+            index, self.next_index = self.next_index, self.next_index + 1
+            self.commands[index] = command
             self._changed.notify_all()
-            return len(self.commands) - 1
+            return index
 
     async def fetch(self, index: int) -> dict:
         """Command ``index``, once the driver has submitted it."""
         async with self._changed:
-            await self._changed.wait_for(lambda: len(self.commands) > index)
+            await self._changed.wait_for(lambda: index in self.commands)
             return self.commands[index]
 
     async def done(self, index: int, rank: int, result: dict) -> None:

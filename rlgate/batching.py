@@ -13,6 +13,11 @@ sessions' worth of whole groups.
   next batch as it is, and its advantages are normalised over the batch
   instead of within the group (``Batch.partial``), or is dropped when
   ``partial_groups = "drop"``.
+* A group nothing of which may be trained at the current policy version is
+  dropped (``take(version, max_staleness)``): every sampled token is older
+  than ``version - max_staleness``, or some token was sampled by a version
+  newer than the trainer's own (a policy a crash discarded before its
+  checkpoint; its logprobs describe weights that no longer exist).
 
 Every record is handed out or dropped exactly once. :meth:`GroupBuffer.state`
 is small and restores exactly: records read but not yet in a batch are simply
@@ -66,6 +71,11 @@ class Counters:
     batched: int = 0
     dropped_equal_reward: int = 0
     dropped_partial: int = 0
+    dropped_stale: int = 0
+
+    @property
+    def dropped(self) -> int:
+        return self.dropped_equal_reward + self.dropped_partial + self.dropped_stale
 
 
 class GroupBuffer:
@@ -136,14 +146,17 @@ class GroupBuffer:
 
     # --- output ---------------------------------------------------------------
 
-    def take(self) -> Batch | None:
+    def take(self, version: int | None = None, max_staleness: int = 0) -> Batch | None:
         """A batch once waiting groups hold at least ``batch_size`` sessions, else None.
 
         Complete groups go first, whole, then partial ones. Batches of complete
         groups are exactly ``batch_size`` sessions (it is a multiple of
         ``group_size``); a partial group may make a batch slightly larger.
+        Given the trainer's ``version``, groups it may not train on are dropped first.
         """
         self.expire()
+        if version is not None:
+            self.drop_unusable(version, max_staleness)
         waiting = sum(len(g.sessions) for g in self.ready + self.expired)
         if waiting < self.batch_size:
             return None
@@ -172,6 +185,20 @@ class GroupBuffer:
         while self.watermark + 1 in self.done_above:
             self.watermark += 1
             self.done_above.discard(self.watermark)
+
+    def drop_unusable(self, version: int, max_staleness: int) -> None:
+        """Drop waiting groups with no token trainable at ``version`` (see the module notes)."""
+        oldest = version - max_staleness
+
+        def usable(group: Group) -> bool:
+            sampled = [v for r in group.records for m, v in zip(r["loss_mask"], r["versions"]) if m]
+            return all(v <= version for v in sampled) and any(v >= oldest for v in sampled)
+
+        for pool in (self.ready, self.expired):
+            for group in [g for g in pool if not usable(g)]:
+                pool.remove(group)
+                self.counters.dropped_stale += len(group.records)
+                self._done(group)
 
     def pending_sessions(self) -> int:
         return sum(len(g.sessions) for g in [*self.open.values(), *self.ready, *self.expired])

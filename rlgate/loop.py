@@ -22,12 +22,20 @@ from rlgate.grpo import group_advantages
 NAMESPACE = "rlgate"
 
 
-def collect(buffer: GroupBuffer, trajectories, stop: threading.Event, poll_s: float = 0.5) -> Batch | None:
-    """Block until the buffer can hand out a batch (None once ``stop`` is set)."""
+def collect(
+    buffer: GroupBuffer,
+    trajectories,
+    stop: threading.Event,
+    version: int,
+    max_staleness: int,
+    poll_s: float = 0.5,
+) -> Batch | None:
+    """Block until the buffer can hand out a batch trainable at ``version``
+    (None once ``stop`` is set)."""
     while not stop.is_set():
         records = ray.get(trajectories.read.remote(buffer.last_read, 1000))
         buffer.add(records)
-        batch = buffer.take()
+        batch = buffer.take(version, max_staleness)
         if batch is not None:
             return batch
         if len(records) < 1000:
@@ -68,6 +76,7 @@ class Trainer:
         cpus_per_worker: float,
         storage: Path,
         name: str,
+        first_command: int = 0,
         max_failures: int = 3,
     ) -> None:
         from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -76,7 +85,7 @@ class Trainer:
         from actors.train_channel import TrainChannel
         from actors.trainer import train_worker
 
-        self.channel = TrainChannel.options(name=setup["channel"], namespace=NAMESPACE).remote()
+        self.channel = TrainChannel.options(name=setup["channel"], namespace=NAMESPACE).remote(first_command)
         resources = {"CPU": cpus_per_worker} | ({"GPU": gpus_per_worker} if gpus_per_worker else {})
         self.workers = workers
         self._trainer = TorchTrainer(

@@ -1,5 +1,6 @@
 """What a training run shows and keeps: a live progress bar, ``metrics.jsonl``,
-Ray dashboard metrics (``ray.util.metrics``), and a reward-curve PNG."""
+``batches.jsonl`` (which trajectories each step used), Ray dashboard metrics
+(``ray.util.metrics``), and a reward-curve PNG."""
 
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ class RunLog:
         for name, gauge in self.gauges.items():
             if name in metrics:
                 gauge.set(float(metrics[name]))
+
+    def batch(self, step: int, seqs: list[int]) -> None:
+        """Which saved trajectories (by ``seq``) a step trained on: the audit trail."""
+        with open(self.folder / "batches.jsonl", "a") as handle:
+            handle.write(json.dumps({"step": step, "seqs": seqs}) + "\n")
 
     def history(self) -> list[dict]:
         if not self.path.is_file():
@@ -84,7 +90,8 @@ def _gauges() -> dict:
         "version": "Policy version served",
         "staleness": "Mean staleness (versions) of trained tokens",
         "samples": "Samples in the last batch",
-        "dropped": "Tokens dropped as too stale in the last batch",
+        "dropped": "Samples dropped so far (equal-reward, partial or stale groups)",
+        "stale_tokens_dropped": "Sampled tokens masked out as too stale in the last batch",
         "tokens_per_s": "Trained tokens per second",
         "sync_s": "Seconds to get new weights to every replica",
     }

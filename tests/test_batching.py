@@ -98,6 +98,23 @@ def test_a_session_may_carry_its_own_group_size():
     assert group.size == 3 and len(group.sessions) == 3
 
 
+def test_groups_the_trainer_may_not_train_on_are_dropped_and_counted():
+    def sampled_by(seq, task, version):  # two prompt tokens, then two tokens sampled by ``version``
+        record = {"seq": seq, "task_id": task, "session_id": f"s{seq}", "reward": float(seq % 2)}
+        return record | {"loss_mask": [0, 0, 1, 1], "versions": [-1, -1, version, version]}
+
+    buffer = GroupBuffer(batch_size=2, group_size=2)
+    # at version 5 with S = 1: "old" was sampled by v3 (too stale), "future" by v6 (a policy
+    # discarded by a crash), "mixed" has one session on v4: still trainable
+    buffer.add([sampled_by(1, "old", 3), sampled_by(2, "old", 3)])
+    buffer.add([sampled_by(3, "future", 6), sampled_by(4, "future", 5)])
+    buffer.add([sampled_by(5, "mixed", 3), sampled_by(6, "mixed", 4)])
+    batch = buffer.take(version=5, max_staleness=1)
+    assert [g.task_id for g in batch.groups] == ["mixed"]
+    assert buffer.counters.dropped_stale == 4 and buffer.counters.dropped == 4
+    assert buffer.state() == {"watermark": 6, "done_above": []}  # dropped groups are done too
+
+
 def test_flush_hands_out_what_is_left():
     clock = Clock()
     buffer = GroupBuffer(batch_size=8, group_size=2, group_timeout_s=5, clock=clock)
