@@ -10,7 +10,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(ENGINE)
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench parity lint clean
+.PHONY: install test demo chat bench parity lint clean
 
 install: $(STAMP)
 
@@ -32,8 +32,12 @@ endif
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# A fresh run each time: runs/demo-<time>/ (metrics.jsonl, reward_curve.png, checkpoints).
 demo: install
-	$(VENV)/bin/rlgate demo --config configs/demo.toml
+	$(PY) train_driver.py --config configs/demo.toml --run-name demo-$$(date +%Y%m%d-%H%M%S)
+
+chat: install
+	$(VENV)/bin/rlgate chat --config configs/chat.toml
 
 parity: install
 	$(VENV)/bin/rlgate check-parity --model smollm2-135m-instruct

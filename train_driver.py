@@ -1,6 +1,6 @@
 """rlgate's RL loop as a Ray job: GRPO on Ray Train, fed by live sessions.
 
-    python train_driver.py --config configs/demo.toml [--resume]
+    python train_driver.py --config configs/demo.toml [--resume] [--run-name NAME]
     ray job submit --working-dir . -- python train_driver.py --config configs/demo.toml
 
 Starts (or joins) Ray, serves the gateway and rollout engines throughout, and
@@ -37,8 +37,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description="Train a policy with GRPO from live sessions.")
     parser.add_argument("--config", required=True)
     parser.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
+    parser.add_argument("--run-name", help="overrides [gateway] run_name (the run folder and actor names)")
     args = parser.parse_args()
     config = load_config(args.config)
+    if args.run_name is not None:
+        config.gateway.run_name = args.run_name  # validated like the TOML key
     run_dir = Path(config.gateway.run_dir, config.gateway.run_name).resolve()
     training, algorithm = config.training, config.algorithm.resolved(config.training.max_staleness)
     step, version, buffer_state, weights, first_command = resume_point(run_dir, args.resume)
@@ -57,6 +60,7 @@ def main() -> int:
         batch_size=training.batch_size,
         group_size=training.group_size,
         group_timeout_s=training.group_timeout_s,
+        partial_groups=training.partial_groups,
         drop_equal_reward_groups=algorithm["drop_equal_reward_groups"],
     )
     if buffer_state is None:  # a fresh run trains on episodes that finish from now on
@@ -78,14 +82,18 @@ def main() -> int:
         first_command=first_command,
     )
     ray.get(capacity.on_new_version.remote(version))  # a resumed run counts from its own version
-    ray.get(capacity.grant.remote(training.batch_size, training.max_staleness))
+    ray.get(
+        capacity.grant.remote(
+            training.batch_size, training.max_staleness, training.group_size, training.group_timeout_s
+        )
+    )
     episodes = start_episodes(config, url, key)
     log = RunLog(run_dir, training.total_steps, step)
     stopping = threading.Event()
     try:
         while step < training.total_steps:
             # whole groups of finished episodes that the current policy may train on
-            batch = collect(buffer, trajectories, stopping, version, training.max_staleness)
+            batch = collect(buffer, trajectories, capacity, stopping, version, training.max_staleness)
             records, advantages = score(batch, algorithm["advantage"])  # group-relative advantages
             started = time.monotonic()
             step += 1
@@ -124,8 +132,11 @@ def serve_gateway(config: RLGateConfig, version: int) -> tuple[str, str]:
     """The gateway and rollout engines on Serve's HTTP proxy; returns the URL and admin key."""
     host, port = config.gateway.host, config.gateway.port
     key, generated = admin_key(host)
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(config, hash_key(key), initial_version=version), name="rlgate", route_prefix="/")
+    quiet = {"enable_access_log": False}  # a line per request would bury the progress bar
+    serve.start(http_options={"host": host, "port": port}, logging_config=quiet)
+    serve.run(
+        build_app(config, hash_key(key), initial_version=version), name="rlgate", route_prefix="/", logging_config=quiet
+    )
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     print(f"rlgate: gateway at {url} (OpenAI base URL {url}/v1)", flush=True)
     if generated:
@@ -189,10 +200,12 @@ def summarise(records, metrics, version, buffer, started, synced) -> dict:
     return {
         "version": version,
         "reward_mean": sum(r["reward"] for r in records) / len(records),
-        "samples": len(records),
-        "dropped": buffer.counters.dropped,  # samples dropped so far: equal rewards, partial, stale
+        "samples": len({r["session_id"] for r in records}),  # episodes (sessions) trained on
+        "records": len(records),  # their training sequences (a turn each with "individual" export)
+        "dropped": buffer.counters.dropped,  # episodes dropped so far: equal rewards, partial, stale
         "stale_tokens_dropped": metrics["stale_tokens_dropped"],
-        "staleness": sum(sampled) / max(1, len(sampled)),
+        "staleness": sum(sampled) / max(1, len(sampled)),  # versions behind, mean and max over sampled tokens
+        "staleness_max": max(sampled, default=0),
         "tokens_per_s": metrics["trained_tokens"] / max(elapsed, 1e-9),
         "step_s": elapsed,
         "sync_s": time.monotonic() - synced,

@@ -5,7 +5,8 @@ through :func:`get_or_create_capacity`, so it outlives the driver that made it
 and every part finds the same one by name.
 Called by the Gateway (``acquire`` when a session opens, ``release`` when it
 ends) and by the trainer (``grant`` when it attaches, ``on_new_version`` after
-publishing weights, ``detach`` when it leaves).
+publishing weights, ``discard`` for sessions it dropped untrained, ``detach``
+when it leaves).
 Owns: the :class:`rlgate.capacity.CapacityRule`, the ``running``, ``accepted``
 and ``rejected`` counters and the policy ``version``. The state lives in memory
 only: a restarted actor would not know which sessions are open.
@@ -14,11 +15,12 @@ only: a restarted actor would not know which sessions are open.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import asdict, replace
 
 import ray
 
-from rlgate.capacity import CapacityRule, CapacityStats, free_slots
+from rlgate.capacity import CapacityRule, CapacityStats, GroupReservations, free_slots
 
 
 # num_cpus=0: pure bookkeeping; it must never wait for a CPU on a packed cluster.
@@ -34,25 +36,51 @@ class CapacityActor:
         # versions published before it attached are not its business.
         self.accepted_base = 0
         self.version_base = 0
+        # Accepted sessions the trainer threw away (equal rewards, partial or stale
+        # groups): they fill no batch, so they must not use up the staleness budget.
+        self.discarded = 0
+        self.reservations = GroupReservations()  # slots held for groups already started
         # Notified on every change that can free a slot (release, new version, new settings).
         self._changed = asyncio.Condition()
 
     def _free(self) -> int:
-        return free_slots(self.rule, self.running, self.accepted - self.accepted_base, self.version - self.version_base)
+        counted = self.accepted - self.accepted_base - self.discarded
+        reserved = self.reservations.held() if self.rule.batch_size is not None else 0
+        return free_slots(self.rule, self.running, max(counted, 0), self.version - self.version_base, reserved)
 
-    async def acquire(self, timeout_s: float = 0.0) -> bool:
-        """Take one slot, waiting up to ``timeout_s`` for one; False (a rejection) on timeout."""
+    def _admits(self, task_id: str | None, group_size: int | None) -> bool:
+        self.reservations.expire(time.monotonic(), self.rule.group_timeout_s)
+        if self.rule.batch_size is None or task_id is None:
+            return self._free() > 0
+        if self.reservations.joins(task_id):  # its slot is held: only max_concurrent applies
+            return self.running < self.rule.max_concurrent
+        return self._free() >= self.rule.group_slots(group_size)
+
+    async def acquire(self, timeout_s: float = 0.0, task_id: str | None = None, group_size: int | None = None) -> bool:
+        """Take one slot, waiting up to ``timeout_s`` for one; False (a rejection) on timeout.
+
+        With a trainer attached and a ``task_id``, the first session of a group
+        needs room for the whole group (``group_size``, default the trainer's)
+        and reserves it; the group's other sessions take the reserved slots.
+        """
         if timeout_s < 0:
             raise ValueError(f"timeout_s must be >= 0 (got {timeout_s})")
+        deadline = time.monotonic() + timeout_s
         async with self._changed:
-            if self._free() == 0 and timeout_s > 0:
+            # Reservations lapse with time, not with an event: look again at least every second.
+            while not self._admits(task_id, group_size) and (left := deadline - time.monotonic()) > 0:
                 try:
-                    await asyncio.wait_for(self._changed.wait_for(lambda: self._free() > 0), timeout_s)
+                    await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
                 except TimeoutError:  # the builtin TimeoutError only from Python 3.11
-                    pass  # decided below: still no slot
-            if self._free() == 0:
+                    pass
+            if not self._admits(task_id, group_size):
                 self.rejected += 1
                 return False
+            if self.rule.batch_size is not None and task_id is not None:
+                if self.reservations.joins(task_id):
+                    self.reservations.join(task_id)
+                else:
+                    self.reservations.open(task_id, self.rule.group_slots(group_size), time.monotonic())
             self.running += 1
             return True
 
@@ -65,12 +93,29 @@ class CapacityActor:
             self.accepted += int(accepted)
             self._changed.notify_all()
 
-    async def grant(self, batch_size: int, max_staleness: int) -> None:
-        """A trainer attaches (or changes its settings): admit by the staleness rule,
-        counting accepted sessions and versions from now."""
+    async def grant(
+        self, batch_size: int, max_staleness: int, group_size: int = 1, group_timeout_s: float = 600.0
+    ) -> None:
+        """A trainer attaches (or changes its settings): admit whole groups by the
+        staleness rule, counting accepted sessions and versions from now."""
         if self.rule.batch_size is None:
-            self.accepted_base, self.version_base = self.accepted, self.version
-        await self._set_rule(batch_size=batch_size, max_staleness=max_staleness)
+            self.accepted_base, self.version_base, self.discarded = self.accepted, self.version, 0
+            self.reservations = GroupReservations()
+        await self._set_rule(
+            batch_size=batch_size,
+            max_staleness=max_staleness,
+            group_size=group_size,
+            group_timeout_s=group_timeout_s,
+        )
+
+    async def discard(self, sessions: int) -> None:
+        """The trainer dropped ``sessions`` accepted sessions without training on
+        them; as many new ones may start in their place."""
+        if sessions < 0:
+            raise ValueError(f"sessions must be >= 0 (got {sessions})")
+        async with self._changed:
+            self.discarded += sessions
+            self._changed.notify_all()
 
     async def detach(self) -> None:
         """The trainer left: admit by ``max_concurrent`` only."""
@@ -93,11 +138,14 @@ class CapacityActor:
             CapacityStats(
                 running=self.running,
                 accepted=self.accepted,
+                discarded=self.discarded,
                 rejected=self.rejected,
                 version=self.version,
                 max_concurrent=rule.max_concurrent,
                 batch_size=rule.batch_size,
                 max_staleness=rule.max_staleness,
+                group_size=rule.group_size,
+                reserved=self.reservations.held() if rule.batch_size is not None else 0,
                 free=self._free(),
             )
         )

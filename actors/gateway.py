@@ -398,10 +398,14 @@ class Gateway:
             if self._is_admin(body.api_key):
                 raise HTTPError(400, "api_key must be a session key, not the admin key", param="api_key")
             key_hash = hash_key(body.api_key)
-            session_id = await self._call(self.sessions.start.remote(body.task_id, key_hash, key_hash, body.group_size))
+            session_id = await self._call(
+                self.sessions.start.remote(body.task_id, key_hash, key_hash, body.group_size, body.wait_s)
+            )
             return api.StartSessionResponse(session_id=session_id, api_key=body.api_key)
         key = new_session_key()
-        session_id = await self._call(self.sessions.start.remote(body.task_id, hash_key(key), None, body.group_size))
+        session_id = await self._call(
+            self.sessions.start.remote(body.task_id, hash_key(key), None, body.group_size, body.wait_s)
+        )
         return api.StartSessionResponse(session_id=session_id, api_key=key)
 
     @app.post("/rl/set_reward", response_model=api.SetRewardResponse)

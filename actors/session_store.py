@@ -26,8 +26,8 @@ class _CapacityClient:
     def __init__(self, actor) -> None:
         self.actor = actor
 
-    async def acquire(self, timeout_s: float = 0.0) -> bool:
-        return await self.actor.acquire.remote(timeout_s)
+    async def acquire(self, timeout_s: float = 0.0, task_id: str | None = None, group_size: int | None = None) -> bool:
+        return await self.actor.acquire.remote(timeout_s, task_id, group_size)
 
     async def release(self, accepted: bool) -> None:
         await self.actor.release.remote(accepted)
@@ -57,10 +57,15 @@ class SessionStore:
             self._sweeper = asyncio.create_task(sweep(self.manager, self._sweep_every))
 
     async def start(
-        self, task_id: str, key_hash: str, refresh_key_hash: str | None = None, group_size: int | None = None
+        self,
+        task_id: str,
+        key_hash: str,
+        refresh_key_hash: str | None = None,
+        group_size: int | None = None,
+        wait_s: float = 0.0,
     ) -> str:
         self._ensure_sweeper()
-        return await self.manager.start(task_id, key_hash, refresh_key_hash, group_size)
+        return await self.manager.start(task_id, key_hash, refresh_key_hash, group_size, wait_s)
 
     async def begin(self, key_hash: str, candidate_keys: list[str]) -> tuple[str, Parent | None]:
         self._ensure_sweeper()

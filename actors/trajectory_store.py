@@ -2,8 +2,8 @@
 
 Created by the Gateway (get-or-create, a named detached actor per run), so it
 outlives any one replica. Called by SessionStore (``append`` when a session
-ends), the Gateway (``read`` for ``GET /rl/trajectories``) and, later, the
-trainer. Owns append-only JSON-lines segments under
+ends), the Gateway (``read`` for ``GET /rl/trajectories``) and the training
+driver (``read``, whole sessions at a time). Owns append-only JSON-lines segments under
 ``<run_dir>/trajectories/`` and the next sequence number; everything else is
 rebuilt from the files on start, so a restarted actor loses nothing that was
 acknowledged.
@@ -64,8 +64,11 @@ class TrajectoryFiles:
         return seqs
 
     def read(self, since: int, limit: int) -> list[dict]:
-        """Records with ``seq > since``, oldest first, at most ``limit``."""
+        """Records with ``seq > since``, oldest first: at most ``limit``, except that
+        a session's records (saved together, in one append) are never split
+        between reads, and an append still in progress is not read at all."""
         out: list[dict] = []
+        upto = self.last_seq  # set once an append is on disk
         segments = self.segments()
         firsts = [int(p.stem.split("-")[1]) for p in segments]
         for path, following in zip(segments, firsts[1:] + [None]):
@@ -76,10 +79,13 @@ class TrajectoryFiles:
                     if not line.endswith("\n"):
                         break  # a write in progress
                     record = json.loads(line)
-                    if record["seq"] > since:
-                        out.append(record)
-                        if len(out) >= limit:
-                            return out
+                    if record["seq"] > upto:
+                        return out
+                    if record["seq"] <= since:
+                        continue
+                    if len(out) >= limit and record.get("session_id") != out[-1].get("session_id"):
+                        return out
+                    out.append(record)
         return out
 
 

@@ -186,6 +186,9 @@ class StartSessionRequest(BaseModel):
     group_size: int | None = Field(
         None, ge=1, le=1024, description="Sessions of this task_id compared in one GRPO group (default: the trainer's)."
     )
+    wait_s: float = Field(
+        0.0, ge=0, le=600, description="Wait up to this long for capacity before answering 429 (a long poll)."
+    )
 
 
 class StartSessionResponse(BaseModel):

@@ -67,6 +67,8 @@ class Batch:
 
 @dataclass
 class Counters:
+    """Records read and batched; sessions (episodes) dropped, by reason."""
+
     read: int = 0
     batched: int = 0
     dropped_equal_reward: int = 0
@@ -127,7 +129,7 @@ class GroupBuffer:
 
     def _complete(self, group: Group) -> None:
         if self.drop_equal_reward_groups and group.rewards_equal():
-            self.counters.dropped_equal_reward += len(group.records)
+            self.counters.dropped_equal_reward += len(group.sessions)
             self._done(group)
         else:
             self.ready.append(group)
@@ -139,7 +141,7 @@ class GroupBuffer:
             if now - group.opened_at >= self.group_timeout_s:
                 del self.open[task]
                 if self.partial_groups == "drop":
-                    self.counters.dropped_partial += len(group.records)
+                    self.counters.dropped_partial += len(group.sessions)
                     self._done(group)
                 else:
                     self.expired.append(group)
@@ -197,7 +199,7 @@ class GroupBuffer:
         for pool in (self.ready, self.expired):
             for group in [g for g in pool if not usable(g)]:
                 pool.remove(group)
-                self.counters.dropped_stale += len(group.records)
+                self.counters.dropped_stale += len(group.sessions)
                 self._done(group)
 
     def pending_sessions(self) -> int:

@@ -2,7 +2,7 @@
 
     rlgate model prepare NAME [--dtype float32|bfloat16]
     rlgate check-parity --model NAME [--engine auto|vllm|hf] [--tolerance X]
-    rlgate demo [--config configs/demo.toml]
+    rlgate chat [--config configs/chat.toml]
 
 Exit codes: 0 success, 1 a check failed, 2 bad usage or input.
 """
@@ -35,8 +35,8 @@ def _parser() -> argparse.ArgumentParser:
         "--weight-sync", choices=["file", "ipc"], default="file", help="ipc: the CUDA IPC fast path (GPU only)"
     )
 
-    demo = commands.add_parser("demo", help="serve the model on Ray and run a short scripted chat")
-    demo.add_argument("--config", default="configs/demo.toml")
+    chat = commands.add_parser("chat", help="serve the model on Ray, run a short scripted chat, save its trajectory")
+    chat.add_argument("--config", default="configs/chat.toml")
     return parser
 
 
@@ -48,10 +48,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "check-parity":
             return _check_parity(args)
-        if args.command == "demo":
-            from rlgate.demo import run_demo
+        if args.command == "chat":
+            from rlgate.scripted_chat import run_chat
 
-            return run_demo(args.config)
+            return run_chat(args.config)
     except (ModelNotFoundError, ValueError) as err:
         print(f"rlgate: error: {err}", file=sys.stderr)
         return 2

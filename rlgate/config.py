@@ -152,6 +152,9 @@ class TrainingConfig(_Section):
     group_timeout_s: float = Field(
         600.0, gt=0, description="A group still short of group_size after this joins the batch as it is."
     )
+    partial_groups: Literal["batch", "drop"] = Field(
+        "batch", description="Groups short after group_timeout_s: train them (advantages over the batch) or drop them."
+    )
     seed: int = Field(0, ge=0, description="Seed for the trainer.")
 
     @model_validator(mode="after")

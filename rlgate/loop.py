@@ -25,17 +25,22 @@ NAMESPACE = "rlgate"
 def collect(
     buffer: GroupBuffer,
     trajectories,
+    capacity,
     stop: threading.Event,
     version: int,
     max_staleness: int,
     poll_s: float = 0.5,
 ) -> Batch | None:
     """Block until the buffer can hand out a batch trainable at ``version``
-    (None once ``stop`` is set)."""
+    (None once ``stop`` is set). Sessions the buffer drops are handed back to
+    the CapacityActor at once, so new ones can start in their place."""
     while not stop.is_set():
         records = ray.get(trajectories.read.remote(buffer.last_read, 1000))
+        dropped = buffer.counters.dropped
         buffer.add(records)
         batch = buffer.take(version, max_staleness)
+        if buffer.counters.dropped > dropped:
+            ray.get(capacity.discard.remote(buffer.counters.dropped - dropped))
         if batch is not None:
             return batch
         if len(records) < 1000:

@@ -5,7 +5,7 @@ never sees a raw key: the gateway hashes keys (SHA-256 of a 256-bit random
 key) before they reach it. Capacity and persistence are injected, so tests
 can drive it without Ray:
 
-* ``capacity.acquire(timeout_s) -> bool`` / ``capacity.release(accepted)``
+* ``capacity.acquire(timeout_s, task_id, group_size) -> bool`` / ``capacity.release(accepted)``
 * ``persist(records) -> None``: must return only once the records are on disk.
 
 Errors a client can cause are :class:`SessionError` with the HTTP status and
@@ -41,7 +41,9 @@ class SessionError(Exception):
 
 
 class Capacity(Protocol):
-    async def acquire(self, timeout_s: float = 0.0) -> bool: ...
+    async def acquire(
+        self, timeout_s: float = 0.0, task_id: str | None = None, group_size: int | None = None
+    ) -> bool: ...
     async def release(self, accepted: bool) -> None: ...
 
 
@@ -97,15 +99,24 @@ class SessionManager:
     # --- lifecycle ----------------------------------------------------------
 
     async def start(
-        self, task_id: str, key_hash: str, refresh_key_hash: str | None = None, group_size: int | None = None
+        self,
+        task_id: str,
+        key_hash: str,
+        refresh_key_hash: str | None = None,
+        group_size: int | None = None,
+        wait_s: float = 0.0,
     ) -> str:
         """Start a session under ``key_hash``; with ``refresh_key_hash`` (the same
         key) end that key's live session first. ``group_size`` overrides the
-        trainer's group size for this session's task. Returns the session id."""
+        trainer's group size for this session's task; ``wait_s`` is how long a
+        new session may wait for capacity. Returns the session id."""
         if refresh_key_hash is None:
-            if not await self.capacity.acquire(0.0):
+            if not await self.capacity.acquire(wait_s, task_id, group_size):
                 self.counters["rejected"] += 1
-                raise SessionError(429, "no capacity for a new session now; retry later", self.retry_after_s)
+                message = "no capacity for a new session now; retry later"
+                if wait_s > 0:
+                    message = f"no capacity for a new session within {wait_s:g} s; retry later"
+                raise SessionError(429, message, self.retry_after_s)
             return self._open(task_id, key_hash, group_size)
         if refresh_key_hash in self._refreshing or refresh_key_hash in self._closing:
             raise SessionError(409, "this key is already being refreshed by another request")
@@ -116,7 +127,7 @@ class SessionManager:
             if refresh_key_hash in self._by_key:
                 await self._end(self._by_key[refresh_key_hash], reason="refreshed")
                 self.counters["refreshed"] += 1
-            if not await self.capacity.acquire(self.refresh_timeout_s):
+            if not await self.capacity.acquire(max(self.refresh_timeout_s, wait_s), task_id, group_size):
                 self.counters["rejected"] += 1
                 raise SessionError(
                     429,

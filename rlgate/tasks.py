@@ -85,11 +85,11 @@ async def play(
 
     async def episode(http: httpx.AsyncClient, problem: Problem) -> None:
         async with slots:
-            while not stop.is_set():
-                started = await http.post(f"{url}/rl/start_session", json={"task_id": problem.id}, headers=admin)
+            while not stop.is_set():  # a long poll: the staleness bound admits us when the policy moves on
+                body = {"task_id": problem.id, "wait_s": 10.0}
+                started = await http.post(f"{url}/rl/start_session", json=body, headers=admin)
                 if started.status_code != 429:
                     break
-                await asyncio.sleep(float(started.headers.get("Retry-After", "1")))  # the staleness bound
             else:
                 return
             started.raise_for_status()

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlgate.capacity import CapacityRule, free_slots
+from rlgate.capacity import CapacityRule, GroupReservations, free_slots
 
 NAMESPACE = "rlgate-test-capacity"
 
@@ -161,6 +161,77 @@ async def test_grant_applies_the_staleness_rule_per_version(make_capacity):
     assert [await capacity.acquire.remote() for _ in range(3)] == [True, True, False]
 
 
+async def test_discarded_sessions_make_room_for_new_ones(make_capacity):
+    capacity = make_capacity(10)
+    await capacity.grant.remote(batch_size=4, max_staleness=0)
+    for _ in range(4):
+        assert await capacity.acquire.remote()
+        await capacity.release.remote(accepted=True)
+    assert await capacity.acquire.remote() is False  # the batch for version 0 is complete ...
+    waiting = asyncio.ensure_future(capacity.acquire.remote(timeout_s=30.0))
+    await capacity.discard.remote(2)  # ... until the trainer drops a group of two (e.g. equal rewards)
+    assert await asyncio.wait_for(waiting, 10) is True
+    assert [await capacity.acquire.remote() for _ in range(2)] == [True, False]
+    with pytest.raises(ValueError, match="sessions must be >= 0"):
+        await capacity.discard.remote(-1)
+
+
+def test_group_reservations_hold_join_and_lapse():
+    held = GroupReservations()
+    held.open("t", 4, now=0.0)  # the first of four sessions started: three slots held
+    held.open("u", 1, now=0.0)  # a group of one holds nothing
+    assert held.held() == 3 and held.joins("t") and not held.joins("u") and not held.joins(None)
+    held.join("t")
+    held.join("t")
+    assert held.held() == 1
+    held.open("v", 3, now=5.0)
+    assert held.expire(now=9.0, timeout_s=10.0) == 0
+    assert held.expire(now=10.0, timeout_s=10.0) == 1  # "t" lapses; "v" is younger
+    assert held.held() == 2 and not held.joins("t")
+    held.join("v")
+    held.join("v")
+    assert held.held() == 0 and not held.joins("v")
+
+
+def test_free_slots_count_reserved_ones():
+    # S=0, B=8: (0+0+1)*8 - 0 - 1 running - 3 reserved = 4
+    assert free_slots(CapacityRule(64, batch_size=8), 1, 0, 0, reserved=3) == 4
+    assert free_slots(CapacityRule(64), 1, 0, 0, reserved=3) == 63  # no trainer: nothing is reserved
+    with pytest.raises(ValueError, match="reserved"):
+        free_slots(CapacityRule(4), 0, 0, 0, reserved=-1)
+    assert CapacityRule(64, batch_size=8, group_size=4).group_slots(None) == 4
+    assert CapacityRule(64, batch_size=8, group_size=4).group_slots(16) == 8  # never more than a batch
+
+
+async def test_whole_groups_are_admitted_so_a_synchronous_run_cannot_deadlock(make_capacity):
+    capacity = make_capacity(64)
+    await capacity.grant.remote(batch_size=8, max_staleness=0, group_size=4)
+    # Ten sessions of three tasks arrive interleaved, as from agents running in parallel.
+    # Admitted one by one, the budget of 8 would go to the first members of several
+    # groups and the last members could never start at this version.
+    arrivals = ["a", "b", "a", "c", "b", "a", "c", "b", "a", "b"]
+    admitted = [t for t in arrivals if await capacity.acquire.remote(0.0, t)]
+    assert admitted == ["a", "b", "a", "b", "a", "b", "a", "b"]  # groups a and b, whole; c waits
+    stats = await capacity.stats.remote()
+    assert (stats["running"], stats["reserved"], stats["free"]) == (8, 0, 0)
+    for _ in admitted:
+        await capacity.release.remote(accepted=True)
+    assert await capacity.acquire.remote(0.0, "c") is False
+    await capacity.on_new_version.remote(1)
+    assert [await capacity.acquire.remote(0.0, "c") for _ in range(4)] == [True] * 4
+    assert (await capacity.stats.remote())["reserved"] == 0
+
+
+async def test_a_session_sets_its_own_group_size_and_reservations_lapse(make_capacity):
+    capacity = make_capacity(64)
+    await capacity.grant.remote(batch_size=4, max_staleness=0, group_size=2, group_timeout_s=0.5)
+    assert await capacity.acquire.remote(0.0, "big", 3)  # holds two more slots
+    assert await capacity.acquire.remote(0.0, "other") is False  # 4 - 1 running - 2 held < 2
+    # The rest of "big" never comes: after the group timeout its slots are free again.
+    assert await capacity.acquire.remote(5.0, "other") is True
+    assert (await capacity.stats.remote())["reserved"] == 1  # the new group's second slot
+
+
 async def test_a_new_version_wakes_a_waiter(make_capacity):
     capacity = make_capacity(10)
     await capacity.grant.remote(batch_size=1, max_staleness=0)
@@ -220,11 +291,14 @@ async def test_stats_report_the_counts(make_capacity):
     assert await capacity.stats.remote() == {
         "running": 2,
         "accepted": 1,
+        "discarded": 0,
         "rejected": 1,
         "version": 1,
         "max_concurrent": 2,
         "batch_size": 2,
         "max_staleness": 1,
+        "group_size": 1,
+        "reserved": 0,
         "free": 0,
     }
 

@@ -21,7 +21,7 @@ class FakeCapacity:
         self.slots, self.delay, self.used, self.closed = slots, delay, 0, False
         self.releases: list[bool] = []
 
-    async def acquire(self, timeout_s: float = 0.0) -> bool:
+    async def acquire(self, timeout_s: float = 0.0, task_id: str | None = None, group_size: int | None = None) -> bool:
         if self.delay:
             await asyncio.sleep(self.delay)
         deadline = time.monotonic() + timeout_s
@@ -88,6 +88,17 @@ async def test_start_then_429_without_capacity():
     assert (m.counters["started"], m.counters["rejected"], capacity.used) == (1, 1, 1)
     assert m.begin("k1", []) == (session_id, None)
     await expect_error(401, lambda: m.begin("k2", []))
+
+
+async def test_start_may_wait_for_capacity():
+    m, _, _ = make_manager(slots=1)
+    first = await m.start("task", "k1")
+    waiting = asyncio.ensure_future(m.start("task", "k2", wait_s=30.0))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # a long poll, not a 429
+    await m.end("k1")
+    assert (await asyncio.wait_for(waiting, 5)).startswith("sess-") and first != waiting.result()
+    await expect_error(429, lambda: m.start("task", "k3", wait_s=0.05), match="within 0.05 s")
 
 
 async def test_refresh_ends_the_old_session_and_starts_a_new_one():

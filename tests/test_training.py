@@ -113,3 +113,133 @@ def test_train_sync_checkpoint_and_resume(tmp_path):
 
     again = train(config(tmp_path, total_steps=5))
     assert again.returncode != 0 and "already has checkpoints; pass --resume" in again.stderr
+
+
+def test_online_mode_trains_on_external_agents_within_the_staleness_bound(tmp_path):
+    """Online mode: no built-in task. The driver serves and waits; concurrent
+    external agents (the official openai client, two turns with a pause between)
+    drive the sessions; with S = 1 no trained token is more than one version old."""
+    import asyncio
+    import time
+
+    import httpx
+    import openai
+
+    port, steps, batch, group, staleness = free_port(), 4, 4, 2, 1
+    path = tmp_path / "online.toml"
+    path.write_text(f"""
+[model]
+name = "tiny-random"
+[rollout]
+max_model_len = 512
+kv_cache_gib = 0.5
+[gateway]
+run_name = "online"
+run_dir = "{tmp_path / "runs"}"
+port = {port}
+[training]
+batch_size = {batch}
+group_size = {group}
+learning_rate = 3e-3
+max_staleness = {staleness}
+total_steps = {steps}
+""")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env |= {"RLGATE_ADMIN_KEY": "online-test-admin-key-0123", "RAY_AUTH_MODE": "disabled"}
+    driver = subprocess.Popen(
+        [sys.executable, "train_driver.py", "--config", str(path)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url, admin = f"http://127.0.0.1:{port}", {"Authorization": "Bearer online-test-admin-key-0123"}
+    run = tmp_path / "runs" / "online"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert driver.poll() is None, driver.stdout.read()[-3000:]
+            time.sleep(1)
+        # With no sessions the trainer waits: no step, the process is alive.
+        time.sleep(3)
+        assert driver.poll() is None and not (run / "metrics.jsonl").exists()
+
+        # Without waiting, a start beyond the bound is refused with 429: (S + 1) * B sessions
+        # may start at version 0, in whole groups.
+        keys = []
+        for i in range((staleness + 1) * batch + 1):
+            response = httpx.post(f"{url}/rl/start_session", json={"task_id": f"probe{i // group}"}, headers=admin)
+            keys.append(response)
+        assert [r.status_code for r in keys] == [200] * ((staleness + 1) * batch) + [429]
+        assert "no capacity" in keys[-1].json()["error"]["message"] and keys[-1].headers["Retry-After"]
+        for response in keys[:-1]:  # end them empty: nothing to train on, and the slots come back
+            session = {"Authorization": f"Bearer {response.json()['api_key']}"}
+            assert httpx.post(f"{url}/rl/end_session", headers=session).status_code == 200
+
+        status_seen: list[dict] = []
+
+        async def agent(http: httpx.AsyncClient, task: str, turn_pause: float) -> None:
+            started = await http.post(
+                f"{url}/rl/start_session", json={"task_id": task, "wait_s": 60}, headers=admin, timeout=120
+            )
+            assert started.status_code in (200, 429), started.text
+            if started.status_code == 429:
+                return
+            key = started.json()["api_key"]
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key)
+            messages = [{"role": "user", "content": f"Tell me about {task}."}]
+            for _ in range(2):
+                reply = await client.chat.completions.create(model="default", messages=messages, max_tokens=8)
+                messages += [{"role": "assistant", "content": reply.choices[0].message.content}]
+                messages += [{"role": "user", "content": "And then?"}]
+                await asyncio.sleep(turn_pause)  # the environment takes its time
+            text = reply.choices[0].message.content or ""
+            session = {"Authorization": f"Bearer {key}"}
+            await http.post(f"{url}/rl/set_reward", json={"reward": float(len(text) % 3)}, headers=session)
+            await http.post(f"{url}/rl/end_session", headers=session)
+            await client.close()
+
+        async def drive() -> None:
+            async with httpx.AsyncClient(timeout=120) as http:
+                n = 0
+                while driver.poll() is None and n < 200:
+                    tasks = [agent(http, f"topic{n + i}", 0.2 * (i % 3)) for i in range(4) for _ in range(group)]
+                    n += 4
+                    results = await asyncio.gather(*tasks, return_exceptions=True)
+                    errors = [r for r in results if isinstance(r, BaseException)]
+                    finished = (run / "metrics.jsonl").exists() and len(lines(run / "metrics.jsonl")) == steps
+                    if errors and not finished:  # only the shutdown after the last step may cut agents off
+                        raise errors[0]
+                    if finished:
+                        break
+                    status = (await http.get(f"{url}/rl/status", headers=admin)).json()["capacity"]
+                    status_seen.append(status)
+
+        asyncio.run(drive())
+        assert driver.wait(timeout=300) == 0, driver.stdout.read()[-3000:]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+
+    metrics = lines(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    records = {r["seq"]: r for f in sorted((run / "trajectories").glob("*.jsonl")) for r in lines(f)}
+    for b, m in zip(lines(run / "batches.jsonl"), metrics):
+        trainer_version = b["step"] - 1
+        sampled = [v for s in b["seqs"] for k, v in zip(records[s]["loss_mask"], records[s]["versions"]) if k]
+        assert sampled and max(sampled) <= trainer_version
+        too_old = sum(v < trainer_version - staleness for v in sampled)
+        assert m["stale_tokens_dropped"] == too_old  # anything older than v - S was dropped, and counted
+        assert m["staleness_max"] <= staleness or too_old
+        assert m["samples"] == batch and m["records"] == 2 * batch  # whole sessions: two turns each
+    assert all(
+        s["running"] + s["accepted"] - s["discarded"] <= (s["max_staleness"] + s["version"] + 1) * batch
+        for s in status_seen
+    )

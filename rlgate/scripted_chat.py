@@ -1,4 +1,4 @@
-"""``make demo`` (until the trainer lands): one recorded episode, end to end.
+"""``rlgate chat``: one recorded episode, end to end, without training.
 
 Starts local Ray with the gateway and a rollout engine, opens a session with
 the admin key, holds a short scripted chat through the official ``openai``
@@ -27,7 +27,7 @@ def _free_port(preferred: int) -> int:
         return probe.getsockname()[1]
 
 
-def run_demo(config_path: str, max_tokens: int = 64) -> int:
+def run_chat(config_path: str, max_tokens: int = 64) -> int:
     import httpx
     import openai
     import ray

@@ -1,0 +1,55 @@
+"""TrajectoryFiles: append-only JSON-lines segments, read in order, sessions never split."""
+
+from __future__ import annotations
+
+import json
+
+from actors.trajectory_store import TrajectoryFiles
+
+
+def session(name: str, n: int) -> list[dict]:
+    return [{"session_id": name, "turn": i} for i in range(n)]
+
+
+def test_records_come_back_in_order_with_sequence_numbers(tmp_path):
+    files = TrajectoryFiles(tmp_path)
+    assert files.append(session("a", 2)) == [1, 2]
+    assert files.append(session("b", 1)) == [3]
+    assert [(r["seq"], r["session_id"]) for r in files.read(0, 100)] == [(1, "a"), (2, "a"), (3, "b")]
+    assert [r["seq"] for r in files.read(2, 100)] == [3]
+    assert files.read(3, 100) == []
+
+
+def test_a_limit_never_splits_a_session(tmp_path):
+    files = TrajectoryFiles(tmp_path)
+    files.append(session("a", 3))
+    files.append(session("b", 2))
+    # limit 2 falls inside session a: its third record comes too, b waits for the next read
+    assert [r["seq"] for r in files.read(0, 2)] == [1, 2, 3]
+    assert [r["seq"] for r in files.read(3, 1)] == [4, 5]
+
+
+def test_an_append_in_progress_is_not_read(tmp_path):
+    files = TrajectoryFiles(tmp_path)
+    files.append(session("a", 1))
+    # another writer's lines are on disk, but its append has not returned (last_seq unchanged)
+    [segment] = files.segments()
+    with open(segment, "a") as handle:
+        handle.write(json.dumps({"seq": 2, "session_id": "b"}) + "\n")
+    assert [r["seq"] for r in files.read(0, 100)] == [1]
+    files.last_seq = 2  # the append finished
+    assert [r["seq"] for r in files.read(0, 100)] == [1, 2]
+
+
+def test_segments_roll_over_and_a_torn_line_is_cut_on_recovery(tmp_path):
+    files = TrajectoryFiles(tmp_path, segment_bytes=64)
+    for name in "abcd":
+        files.append(session(name, 2))
+    assert len(files.segments()) > 1
+    assert [r["seq"] for r in files.read(0, 100)] == list(range(1, 9))
+    assert [r["seq"] for r in files.read(5, 100)] == [6, 7, 8]
+    with open(files.segments()[-1], "a") as handle:
+        handle.write('{"seq": 9, "session_id": "torn"')  # a crash mid-write
+    again = TrajectoryFiles(tmp_path, segment_bytes=64)
+    assert again.last_seq == 8 and again.append(session("e", 1)) == [9]
+    assert [r["session_id"] for r in again.read(8, 100)] == ["e"]
