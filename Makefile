@@ -43,8 +43,11 @@ parity: install
 	$(VENV)/bin/rlgate check-parity --model smollm2-135m-instruct
 
 bench: install
+	$(PIP) install --quiet -e '.[$(ENGINE),dev,bench]'
 	$(PY) bench/engine.py
 	$(PY) bench/gateway.py
+	$(PY) bench/learning.py
+	$(PY) bench/async.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs

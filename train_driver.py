@@ -25,7 +25,7 @@ import ray
 from ray import serve
 
 from rlgate.batching import GroupBuffer
-from rlgate.config import RLGateConfig, load_config
+from rlgate.config import RLGateConfig, dump_config, load_config
 from rlgate.loop import NAMESPACE, Trainer, collect, normaliser, score
 from rlgate.runlog import RunLog
 from rlgate.sessions import hash_key
@@ -45,6 +45,8 @@ def main() -> int:
     run_dir = Path(config.gateway.run_dir, config.gateway.run_name).resolve()
     training, algorithm = config.training, config.algorithm.resolved(config.training.max_staleness)
     step, version, buffer_state, weights, first_command = resume_point(run_dir, args.resume)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(config, run_dir / "config.toml")  # the settings this run (or resumption) used
     if weights is not None:  # engines start on the checkpoint's weights
         config.model.name = str(weights)
 
@@ -75,7 +77,7 @@ def main() -> int:
             "policy": f"{run}-policy",
         },
         config.compute.trainer_workers,
-        config.compute.gpus_per_worker,
+        trainer_gpus(config),
         config.compute.cpus_per_worker,
         storage=run_dir,
         name="trainer",
@@ -92,6 +94,7 @@ def main() -> int:
     stopping = threading.Event()
     try:
         while step < training.total_steps:
+            waited = time.monotonic()
             # whole groups of finished episodes that the current policy may train on
             batch = collect(buffer, trajectories, capacity, stopping, version, training.max_staleness)
             records, advantages = score(batch, algorithm["advantage"])  # group-relative advantages
@@ -109,7 +112,9 @@ def main() -> int:
             synced = time.monotonic()
             ray.get(policy.wait_served.remote(version, config.rollout.replicas))  # every engine serves v + 1
             ray.get(capacity.on_new_version.remote(version))  # admit the next sessions
-            log.log(step, summarise(records, metrics, version, buffer, started, synced))
+            log.log(
+                step, summarise(records, metrics, version, buffer, started, synced) | {"collect_s": started - waited}
+            )
             log.batch(step, [r["seq"] for r in records])
     except KeyboardInterrupt:
         print("rlgate: interrupted; writing the reward curve", file=sys.stderr)
@@ -158,6 +163,7 @@ def start_episodes(config: RLGateConfig, url: str, key: str) -> threading.Event 
         max_tokens=config.task.max_tokens,
         temperature=config.task.temperature,
         seed=config.training.seed,
+        env_delay_s=config.task.env_delay_s,
     )
     return stop
 
@@ -188,6 +194,18 @@ def forget_earlier_run(run: str) -> None:
             ray.kill(ray.get_actor(f"{run}-{suffix}", namespace=NAMESPACE))
         except ValueError:
             pass  # no such actor: nothing to forget
+
+
+def trainer_gpus(config: RLGateConfig) -> float:
+    """GPUs per trainer worker: as configured, or 1 when the cluster has one for
+    every worker beyond what the rollout replicas take (else CPU bundles)."""
+    compute = config.compute
+    if compute.gpus_per_worker is not None:
+        return compute.gpus_per_worker
+    spare = ray.cluster_resources().get("GPU", 0) - config.rollout.replicas * config.rollout.num_gpus
+    gpus = 1.0 if spare >= compute.trainer_workers else 0.0
+    print(f"rlgate: trainer workers on {'GPU' if gpus else 'CPU'} bundles ({spare:g} GPUs spare)", flush=True)
+    return gpus
 
 
 def save_due(step: int, training) -> bool:

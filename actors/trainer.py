@@ -103,15 +103,21 @@ def train_worker(setup: dict) -> None:
             published = ray.get(policy.status.remote())["version"]
             if new_version > published:  # a restarted worker repeats steps after its checkpoint
                 ray.get(policy.publish.remote(new_version, [ray.put(weights)]))
-        if command.get("save"):
-            _save(plain, tokenizer, optimizer, index + 1, new_version, command.get("driver_state"), rank, metrics)
+        # Every step's metrics go to Ray Train (a collective: every worker reports), with a checkpoint when due.
+        save = (plain, tokenizer, optimizer, index + 1, command.get("driver_state")) if command.get("save") else None
+        _report(metrics, new_version, rank, save)
         ray.get(channel.done.remote(index, rank, metrics))
         index += 1
 
 
-def _save(model, tokenizer, optimizer, next_command, version, driver_state, rank, metrics) -> None:
-    """A Ray Train checkpoint: the model in Hugging Face format (loadable by
-    transformers and vLLM), the optimizer, and where to resume."""
+def _report(metrics: dict, version: int, rank: int, save: tuple | None) -> None:
+    """``ray.train.report`` the step's metrics; with ``save``, also a checkpoint:
+    the model in Hugging Face format (loadable by transformers and vLLM), the
+    optimizer, and where to resume."""
+    if save is None:
+        ray.train.report({**metrics, "version": version})
+        return
+    model, tokenizer, optimizer, next_command, driver_state = save
     with tempfile.TemporaryDirectory(prefix="rlgate-checkpoint-") as folder:
         checkpoint = None
         if rank == 0:

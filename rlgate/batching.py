@@ -80,6 +80,17 @@ class Counters:
         return self.dropped_equal_reward + self.dropped_partial + self.dropped_stale
 
 
+def _sessions(records: list[dict]) -> list[list[dict]]:
+    """Consecutive records of the same session, as runs."""
+    runs: list[list[dict]] = []
+    for record in records:
+        if runs and runs[-1][0]["session_id"] == record["session_id"]:
+            runs[-1].append(record)
+        else:
+            runs.append([record])
+    return runs
+
+
 class GroupBuffer:
     def __init__(
         self,
@@ -107,22 +118,22 @@ class GroupBuffer:
     # --- input ----------------------------------------------------------------
 
     def add(self, records: list[dict]) -> None:
-        """Records in ``seq`` order, as read from the TrajectoryStore."""
-        for record in records:
-            seq = record["seq"]
-            self.last_read = max(self.last_read, seq)
-            if seq <= self.watermark or seq in self.done_above:
+        """Records in ``seq`` order, as read from the TrajectoryStore: a session's
+        records (saved together) come together, so a group completes only with
+        every record of its last session."""
+        for session in _sessions(records):
+            self.last_read = max(self.last_read, session[-1]["seq"])
+            fresh = [r for r in session if r["seq"] > self.watermark and r["seq"] not in self.done_above]
+            if not fresh:
                 continue  # consumed before a restart
-            self.counters.read += 1
-            task = record["task_id"]
+            self.counters.read += len(fresh)
+            first = fresh[0]
+            task, session_id = first["task_id"], first["session_id"]
             group = self.open.get(task)
-            session = record["session_id"]
-            if group is not None and session not in group.sessions and group.full():
-                group = None
             if group is None:
-                size = int(record.get("group_size") or self.group_size)
+                size = int(first.get("group_size") or self.group_size)
                 group = self.open[task] = Group(task, size, opened_at=self.clock())
-            group.sessions.setdefault(session, []).append(record)
+            group.sessions.setdefault(session_id, []).extend(fresh)
             if group.full():
                 del self.open[task]
                 self._complete(group)

@@ -166,7 +166,12 @@ class TrainingConfig(_Section):
 
 class ComputeConfig(_Section):
     trainer_workers: int = Field(1, ge=1, le=4096, description="Ray Train workers (data parallel).")
-    gpus_per_worker: float = Field(0.0, ge=0, description="GPUs per trainer worker; 0 trains on CPU bundles.")
+    gpus_per_worker: float | None = Field(
+        None,
+        ge=0,
+        description="GPUs per trainer worker; 0 trains on CPU bundles; unset: 1 when the cluster has a GPU "
+        "for every worker beyond those the rollout replicas take, else 0.",
+    )
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs per trainer worker.")
     rollout_replicas: int | None = Field(
         None, ge=1, description="RolloutServer replicas; the same as [rollout] replicas (set one of them)."
@@ -185,6 +190,9 @@ class TaskConfig(_Section):
     )
     max_tokens: int = Field(32, ge=1, le=32_768, description="Built-in task: most tokens per reply.")
     temperature: float = Field(1.0, ge=0, le=2, description="Built-in task: sampling temperature.")
+    env_delay_s: float = Field(
+        0.0, ge=0, le=3600, description="Built-in task: mean seconds the environment takes per turn (uniform 0..2x)."
+    )
     env_name: str | None = Field(None, description="Environment name the task app knows.")
     policy_name: str | None = Field(None, description="Policy name passed to the task app.")
     env_config: dict = Field(default_factory=dict, description="Passed to the task app as env.config.")
@@ -237,6 +245,15 @@ def load_config(path: str | Path) -> RLGateConfig:
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML: {err}") from None
     return parse_config(data, source=str(path))
+
+
+def dump_config(config: RLGateConfig, path: str | Path) -> Path:
+    """Write ``config`` as TOML that :func:`load_config` reads back to the same tree."""
+    import tomli_w
+
+    path = Path(path)
+    path.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
+    return path
 
 
 def parse_config(data: dict, source: str = "config") -> RLGateConfig:

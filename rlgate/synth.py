@@ -166,7 +166,8 @@ def _map_compute(m: _Mapper) -> None:
     m.get("topology", "type")
     m.get("topology", "reference_placement")
     if gpu_type is not None and str(gpu_type).lower() == "cpu" or gpus == 0:
-        return  # CPU workers and CPU rollout replicas: the defaults
+        m.put("compute", "gpus_per_worker", 0)  # CPU workers and CPU rollout replicas
+        return
     if for_vllm is None or for_training is None:
         # No split given: one GPU serves rollouts, the rest train; a single GPU is shared.
         for_vllm, for_training = (1, gpus - 1) if gpus > 1 else (0.5, 0.5)

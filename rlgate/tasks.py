@@ -74,8 +74,11 @@ async def play(
     max_tokens: int = 32,
     temperature: float = 1.0,
     seed: int = 0,
+    env_delay_s: float = 0.0,
 ) -> None:
-    """Play episodes until ``stop`` is set: groups of ``group_size`` sessions per problem."""
+    """Play episodes until ``stop`` is set: groups of ``group_size`` sessions per problem.
+    ``env_delay_s`` > 0 makes the environment slow: each turn then takes a
+    uniformly random 0 to 2 × ``env_delay_s`` seconds before it is scored."""
     import httpx
     import openai
 
@@ -98,6 +101,8 @@ async def play(
             reply = await client.chat.completions.create(
                 model="default", messages=problem.messages, max_tokens=max_tokens, temperature=temperature
             )
+            if env_delay_s > 0:  # the environment's own time (tools, a simulator, a judge)
+                await asyncio.sleep(rng.uniform(0, 2 * env_delay_s))
             reward = task.reward(problem, reply.choices[0].message.content or "")
             session = {"Authorization": f"Bearer {key}"}
             await http.post(f"{url}/rl/set_reward", json={"reward": reward}, headers=session)

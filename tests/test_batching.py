@@ -90,6 +90,16 @@ def test_partial_groups_can_be_dropped_instead():
     assert buffer.state() == {"watermark": 1, "done_above": []}  # a dropped record is done too
 
 
+def test_a_group_completes_with_every_record_of_its_last_session():
+    # "individual" export: a record per turn, two turns per session, saved together
+    spec = [("t", "s1", 1.0), ("t", "s1", 1.0), ("t", "s2", 0.0), ("t", "s2", 0.0)]
+    buffer = GroupBuffer(batch_size=2, group_size=2)
+    buffer.add(records(spec))
+    [group] = buffer.take().groups
+    assert {s: [r["seq"] for r in rs] for s, rs in group.sessions.items()} == {"s1": [1, 2], "s2": [3, 4]}
+    assert not buffer.open and buffer.state() == {"watermark": 4, "done_above": []}
+
+
 def test_a_session_may_carry_its_own_group_size():
     buffer = GroupBuffer(batch_size=3, group_size=2)
     spec = [{"seq": i, "task_id": "t", "session_id": f"s{i}", "reward": float(i), "group_size": 3} for i in (1, 2, 3)]

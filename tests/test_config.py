@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rlgate.config import ConfigError, load_config, parse_config
+from rlgate.config import ConfigError, dump_config, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -15,6 +15,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_shipped_config_parses(path):
     config = load_config(path)
     assert config.model.name and config.rollout.replicas >= 1
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_a_dumped_config_reads_back_the_same(path, tmp_path):
+    config = load_config(path)
+    assert load_config(dump_config(config, tmp_path / "again.toml")) == config
 
 
 def test_unknown_keys_are_named():

@@ -1,0 +1,200 @@
+"""Learning benchmark: wall-clock to a reward threshold on the demo task,
+rlgate against TRL's ``GRPOTrainer``, in one run, one after the other.
+
+    python bench/learning.py [--config configs/demo.toml] [--threshold 0.9] [--json results.json]
+
+Both train the same model on the same task (``[task] builtin``, the demo's
+``vowels``) with the same batch (sessions per step), group size, learning
+rate (constant), clip range, completion length and temperature, no KL, and
+GRPO's sequence-mean-token-mean loss with group mean/std advantages.
+
+* **rlgate**: ``train_driver.py --config ...`` exactly as a user runs it: Ray,
+  the gateway and a vLLM engine on Serve, a Ray Train worker, episodes played
+  through HTTP by the built-in OpenAI-SDK agent, weights pushed every step.
+* **TRL**: ``GRPOTrainer`` on the same prompts and reward function, generating
+  with transformers in the training process (TRL's default without vLLM).
+
+Prints, per system: steps and seconds (from launch, and from the first
+rollout) until a step's mean reward first reaches ``--threshold``, the median
+step time, and the ratio TRL / rlgate (above 1: rlgate got there sooner).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from rlgate.config import load_config  # noqa: E402
+from rlgate.models import prepare_model  # noqa: E402
+from rlgate.tasks import get_task  # noqa: E402
+
+
+def run_rlgate(config_path: Path) -> dict:
+    """train_driver.py in its own process; step times from its metrics.jsonl."""
+    config = load_config(config_path)
+    name = f"bench-learning-{int(time.time())}"
+    env = os.environ | {"RLGATE_ADMIN_KEY": "bench-learning-admin-key-0123"}
+    launched = time.time()
+    subprocess.run(
+        [sys.executable, "train_driver.py", "--config", str(config_path), "--run-name", name],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    run = ROOT / config.gateway.run_dir / name
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    first_rollout = metrics[0]["time"] - metrics[0]["step_s"] - metrics[0].get("collect_s", 0.0)
+    return {
+        "launched": launched,
+        "first_rollout": first_rollout,
+        "steps": [{"step": m["step"], "reward": m["reward_mean"], "time": m["time"]} for m in metrics],
+        "run_dir": str(run),
+    }
+
+
+def run_trl(config_path: Path, workdir: Path) -> dict:
+    out = workdir / "trl.json"
+    launched = time.time()
+    subprocess.run(
+        [sys.executable, __file__, "--trl-worker", "--config", str(config_path), "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+    )
+    return {"launched": launched, **json.loads(out.read_text())}
+
+
+def trl_worker(config_path: Path, out: Path) -> None:
+    """TRL's GRPOTrainer with the rlgate config's settings (run as a subprocess)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    config = load_config(config_path)
+    training, algorithm = config.training, config.algorithm.resolved(config.training.max_staleness)
+    if (algorithm["advantage"], algorithm["aggregation"], algorithm["kl_coef"]) != ("grpo", "seq_mean_token_mean", 0):
+        raise SystemExit("bench/learning.py compares plain GRPO (variety = grpo, no KL) only")
+    task, rng = get_task(config.task.builtin), random.Random(training.seed)
+    prompts = [task.problem(rng) for _ in range(training.total_steps * training.batch_size // training.group_size)]
+    dataset = Dataset.from_list([{"prompt": p.messages, "problem_id": p.id} for p in prompts])
+
+    def reward(completions, **_) -> list[float]:
+        return [task.reward(None, c[0]["content"]) for c in completions]
+
+    steps: list[dict] = []
+    timing: dict = {}
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            timing["first_rollout"] = time.time()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                steps.append({"step": state.global_step, "reward": logs["reward"], "time": time.time()})
+
+    path = prepare_model(config.model.name)
+    torch.manual_seed(training.seed)
+    args = GRPOConfig(
+        output_dir=str(out.parent / "trl-output"),
+        per_device_train_batch_size=training.batch_size,  # completions per step: the same sessions per step
+        num_generations=training.group_size,
+        learning_rate=training.learning_rate,
+        lr_scheduler_type="constant",
+        weight_decay=training.weight_decay,
+        max_grad_norm=training.max_grad_norm,
+        max_steps=training.total_steps,
+        max_completion_length=config.task.max_tokens,
+        temperature=config.task.temperature,
+        epsilon=algorithm["clip_low"],
+        epsilon_high=algorithm["clip_high"],
+        loss_type="grpo",  # sequence mean of token means, as rlgate's grpo variety
+        scale_rewards="group",
+        beta=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        seed=training.seed,
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+        processing_class=AutoTokenizer.from_pretrained(path),
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset,
+        callbacks=[Clock()],
+    )
+    trainer.train()
+    out.write_text(json.dumps({"first_rollout": timing["first_rollout"], "steps": steps}))
+
+
+def reached(result: dict, threshold: float) -> dict:
+    """Steps and seconds until a step's mean reward first reaches ``threshold``."""
+    steps = result["steps"]
+    hit = next((s for s in steps if s["reward"] >= threshold), None)
+    times = [s["time"] for s in steps]
+    step_s = statistics.median(b - a for a, b in zip(times, times[1:])) if len(times) > 1 else float("nan")
+    return {
+        "step": hit["step"] if hit else None,
+        "from_launch_s": hit["time"] - result["launched"] if hit else None,
+        "from_first_rollout_s": hit["time"] - result["first_rollout"] if hit else None,
+        "median_step_s": step_s,
+        "first_reward": steps[0]["reward"],
+        "final_reward": steps[-1]["reward"],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "demo.toml")
+    parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trl_worker:
+        trl_worker(args.config, args.out)
+        return 0
+
+    with tempfile.TemporaryDirectory(prefix="rlgate-bench-learning-") as folder:
+        results = {"rlgate": run_rlgate(args.config), "trl": run_trl(args.config, Path(folder))}
+    summary = {name: reached(result, args.threshold) for name, result in results.items()}
+    print(f"time to mean reward >= {args.threshold} on {args.config.name}")
+    print(f"{'system':8} {'step':>5} {'from launch':>12} {'from 1st rollout':>17} {'median step':>12} {'reward':>12}")
+    for name, s in summary.items():
+        step = s["step"] if s["step"] is not None else "never"
+        launch = f"{s['from_launch_s']:.1f} s" if s["step"] else "-"
+        rollout = f"{s['from_first_rollout_s']:.1f} s" if s["step"] else "-"
+        rewards = f"{s['first_reward']:.2f}->{s['final_reward']:.2f}"
+        print(f"{name:8} {step:>5} {launch:>12} {rollout:>17} {s['median_step_s']:>10.2f} s {rewards:>12}")
+    rl, trl = summary["rlgate"], summary["trl"]
+    if rl["step"] and trl["step"]:
+        print(
+            f"ratio TRL / rlgate: {trl['from_launch_s'] / rl['from_launch_s']:.2f}x from launch, "
+            f"{trl['from_first_rollout_s'] / rl['from_first_rollout_s']:.2f}x from the first rollout"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"threshold": args.threshold, "summary": summary, "raw": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
