@@ -1,7 +1,7 @@
 """rlgate's RL loop as a Ray job: GRPO on Ray Train, fed by live sessions.
 
-    python train_driver.py --config configs/demo.toml [--resume] [--run-name NAME]
-    ray job submit --working-dir . -- python train_driver.py --config configs/demo.toml
+    python train_driver.py --config configs/demo.toml [--resume] [--run-name NAME] [--run-dir DIR]
+    ray job submit --working-dir . -- python train_driver.py --config configs/demo.toml --run-dir /shared/runs
 
 Starts (or joins) Ray, serves the gateway and rollout engines throughout, and
 trains: collect whole groups of finished episodes → group-relative advantages
@@ -38,10 +38,13 @@ def main() -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
     parser.add_argument("--run-name", help="overrides [gateway] run_name (the run folder and actor names)")
+    parser.add_argument("--run-dir", help="overrides [gateway] run_dir; give an absolute path under `ray job submit`")
     args = parser.parse_args()
     config = load_config(args.config)
     if args.run_name is not None:
         config.gateway.run_name = args.run_name  # validated like the TOML key
+    if args.run_dir is not None:
+        config.gateway.run_dir = args.run_dir
     run_dir = Path(config.gateway.run_dir, config.gateway.run_name).resolve()
     training, algorithm = config.training, config.algorithm.resolved(config.training.max_staleness)
     step, version, buffer_state, weights, first_command = resume_point(run_dir, args.resume)

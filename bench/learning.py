@@ -1,7 +1,7 @@
 """Learning benchmark: wall-clock to a reward threshold on the demo task,
 rlgate against TRL's ``GRPOTrainer``, in one run, one after the other.
 
-    python bench/learning.py [--config configs/demo.toml] [--threshold 0.9] [--json results.json]
+    python bench/learning.py [--config configs/demo.toml] [--thresholds 0.5 0.7 0.9] [--json results.json]
 
 Both train the same model on the same task (``[task] builtin``, the demo's
 ``vowels``) with the same batch (sessions per step), group size, learning
@@ -14,9 +14,10 @@ GRPO's sequence-mean-token-mean loss with group mean/std advantages.
 * **TRL**: ``GRPOTrainer`` on the same prompts and reward function, generating
   with transformers in the training process (TRL's default without vLLM).
 
-Prints, per system: steps and seconds (from launch, and from the first
-rollout) until a step's mean reward first reaches ``--threshold``, the median
-step time, and the ratio TRL / rlgate (above 1: rlgate got there sooner).
+Prints, per threshold and system: steps and seconds (from launch, and from
+the first rollout) until a step's mean reward first reaches the threshold,
+the median step time, and the ratio TRL / rlgate (above 1: rlgate got there
+sooner).
 """
 
 from __future__ import annotations
@@ -162,10 +163,31 @@ def reached(result: dict, threshold: float) -> dict:
     }
 
 
+def report(results: dict, thresholds: list[float]) -> None:
+    print(f"{'reward':>6} {'system':8} {'step':>5} {'from launch':>12} {'from 1st rollout':>17} {'median step':>12}")
+    for threshold in thresholds:
+        summary = {name: reached(result, threshold) for name, result in results.items()}
+        for name, s in summary.items():
+            hit = s["step"] is not None
+            launch = f"{s['from_launch_s']:.1f} s" if hit else "-"
+            rollout = f"{s['from_first_rollout_s']:.1f} s" if hit else "-"
+            step = s["step"] if hit else "never"
+            print(f"{threshold:>6} {name:8} {step:>5} {launch:>12} {rollout:>17} {s['median_step_s']:>10.2f} s")
+        rl, trl = summary["rlgate"], summary["trl"]
+        if rl["step"] and trl["step"]:
+            print(
+                f"{'':6} ratio TRL / rlgate: {trl['from_launch_s'] / rl['from_launch_s']:.2f}x from launch, "
+                f"{trl['from_first_rollout_s'] / rl['from_first_rollout_s']:.2f}x from the first rollout"
+            )
+    for name, result in results.items():
+        rewards = [s["reward"] for s in result["steps"]]
+        print(f"{name}: reward by step {' '.join(f'{r:.2f}' for r in rewards)}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "demo.toml")
-    parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.7, 0.9])
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -176,23 +198,9 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="rlgate-bench-learning-") as folder:
         results = {"rlgate": run_rlgate(args.config), "trl": run_trl(args.config, Path(folder))}
-    summary = {name: reached(result, args.threshold) for name, result in results.items()}
-    print(f"time to mean reward >= {args.threshold} on {args.config.name}")
-    print(f"{'system':8} {'step':>5} {'from launch':>12} {'from 1st rollout':>17} {'median step':>12} {'reward':>12}")
-    for name, s in summary.items():
-        step = s["step"] if s["step"] is not None else "never"
-        launch = f"{s['from_launch_s']:.1f} s" if s["step"] else "-"
-        rollout = f"{s['from_first_rollout_s']:.1f} s" if s["step"] else "-"
-        rewards = f"{s['first_reward']:.2f}->{s['final_reward']:.2f}"
-        print(f"{name:8} {step:>5} {launch:>12} {rollout:>17} {s['median_step_s']:>10.2f} s {rewards:>12}")
-    rl, trl = summary["rlgate"], summary["trl"]
-    if rl["step"] and trl["step"]:
-        print(
-            f"ratio TRL / rlgate: {trl['from_launch_s'] / rl['from_launch_s']:.2f}x from launch, "
-            f"{trl['from_first_rollout_s'] / rl['from_first_rollout_s']:.2f}x from the first rollout"
-        )
+    report(results, args.thresholds)
     if args.json:
-        args.json.write_text(json.dumps({"threshold": args.threshold, "summary": summary, "raw": results}, indent=1))
+        args.json.write_text(json.dumps({"thresholds": args.thresholds, "raw": results}, indent=1))
     return 0
 
 
