@@ -163,6 +163,7 @@ class _Turn:
             finish_reason=completion.finish_reason,
             parent=self.parent_id,
             key=extend_key(self.messages_key, message),
+            temperature=self.request.temperature,
         )
 
     def _finish_reason(self, completion, calls) -> str:
@@ -583,6 +584,7 @@ class Gateway:
                 logprobs=c.logprobs,
                 versions=c.versions,
                 finish_reason=c.finish_reason,
+                temperature=request.temperature,
             )
             for c in completions
         ]

@@ -35,6 +35,7 @@ class TrainBatch:
     behaviour_logp: torch.Tensor  # [B, T]
     versions: torch.Tensor  # [B, T] -1 on tokens the model did not sample
     advantages: torch.Tensor  # [B]
+    temperatures: torch.Tensor  # [B, T] the sampling temperature of each token (1 where not sampled)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -44,7 +45,8 @@ class TrainBatch:
 
 
 def collate(records: list[dict], advantages: list[float], pad_id: int = 0) -> TrainBatch:
-    """Records (``input_ids``, ``loss_mask``, ``logprobs``, ``versions``) to a TrainBatch."""
+    """Records (``input_ids``, ``loss_mask``, ``logprobs``, ``versions``, and
+    ``temperatures`` when present) to a TrainBatch."""
     width = max(len(r["input_ids"]) for r in records)
     rows = len(records)
     ids = torch.full((rows, width), pad_id, dtype=torch.long)
@@ -52,6 +54,7 @@ def collate(records: list[dict], advantages: list[float], pad_id: int = 0) -> Tr
     mask = torch.zeros((rows, width - 1))
     behaviour = torch.zeros((rows, width - 1))
     versions = torch.full((rows, width - 1), -1, dtype=torch.long)
+    temperatures = torch.ones((rows, width - 1))
     for row, record in enumerate(records):
         n = len(record["input_ids"])
         ids[row, :n] = torch.tensor(record["input_ids"])
@@ -59,12 +62,19 @@ def collate(records: list[dict], advantages: list[float], pad_id: int = 0) -> Tr
         mask[row, : n - 1] = torch.tensor(record["loss_mask"][1:], dtype=torch.float32)
         behaviour[row, : n - 1] = torch.tensor(record["logprobs"][1:], dtype=torch.float32)
         versions[row, : n - 1] = torch.tensor(record["versions"][1:])
-    return TrainBatch(ids, attention, mask, behaviour, versions, torch.tensor(advantages, dtype=torch.float32))
+        if record.get("temperatures"):
+            temperatures[row, : n - 1] = torch.tensor(record["temperatures"][1:], dtype=torch.float32)
+    advantages_t = torch.tensor(advantages, dtype=torch.float32)
+    return TrainBatch(ids, attention, mask, behaviour, versions, advantages_t, temperatures)
 
 
 def token_logprobs(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
-    """[B, T] log-probs of each predicted token under ``model`` (float32)."""
+    """[B, T] log-probs of each predicted token under ``model`` (float32), from
+    the distribution it was sampled from: logits over the sampling temperature
+    (greedy tokens, temperature 0, are scored at 1)."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    temperatures = torch.where(batch.temperatures > 0, batch.temperatures, torch.ones_like(batch.temperatures))
+    logits = logits / temperatures[..., None]
     return torch.log_softmax(logits, dim=-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
 
 

@@ -44,6 +44,7 @@ class Interaction:
     finish_reason: str | None
     parent: str | None = None
     reward: float | None = None
+    temperature: float = 1.0  # the sampling temperature: behaviour logprobs are of softmax(logits / temperature)
     key: str | None = None  # hash of (tools, messages + the returned assistant message), for continuations
     created_at: float = field(default_factory=time.time)
 
@@ -73,6 +74,7 @@ class Sample:
     finish_reasons: list[str | None]
     created_at: float
     ended_at: float
+    temperatures: list[float] = field(default_factory=list)  # per token: sampling temperature (1.0 elsewhere)
 
 
 class SessionTrajectory:
@@ -172,6 +174,7 @@ class SessionTrajectory:
             loss_mask=[0] * prompt + [1] * len(interaction.completion_ids),
             logprobs=[0.0] * prompt + interaction.logprobs,
             versions=[NO_VERSION] * prompt + interaction.versions,
+            temperatures=[1.0] * prompt + [interaction.temperature] * len(interaction.completion_ids),
             finish_reasons=[interaction.finish_reason],
             created_at=interaction.created_at,
             ended_at=ended,
@@ -181,12 +184,14 @@ class SessionTrajectory:
         leaf = path[-1]
         length = len(leaf.sequence)
         loss_mask, logprobs, versions = [0] * length, [0.0] * length, [NO_VERSION] * length
+        temperatures = [1.0] * length
         for step in path:  # each completion sits verbatim at the same offset in the leaf's sequence
             start = len(step.prompt_ids)
             for offset in range(len(step.completion_ids)):
                 loss_mask[start + offset] = 1
                 logprobs[start + offset] = step.logprobs[offset]
                 versions[start + offset] = step.versions[offset]
+                temperatures[start + offset] = step.temperature
         # Returns along this branch only (no averaging over other branches).
         path_returns, future = [], 0.0
         for step in reversed(path):
@@ -203,6 +208,7 @@ class SessionTrajectory:
             input_ids=leaf.sequence,
             loss_mask=loss_mask,
             logprobs=logprobs,
+            temperatures=temperatures,
             versions=versions,
             finish_reasons=[step.finish_reason for step in path],
             created_at=path[0].created_at,

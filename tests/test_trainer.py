@@ -108,3 +108,28 @@ def test_several_updates_per_batch_use_the_ratio_clip(sampled, reference_model):
     trainer = make_trainer(reference_model, updates_per_batch=3, loss=LossConfig(clip_low=0.05, clip_high=0.05))
     metrics = trainer.step(sampled, version=0)
     assert metrics["loss_clip_fraction"] > 0  # after the first update the ratio leaves [0.95, 1.05] somewhere
+
+
+async def test_logprobs_are_scored_at_the_sampling_temperature(hf_engine, prompts, reference_model):
+    params = SamplingParams(max_tokens=12, temperature=0.6, n=2, seed=7, ignore_eos=True)
+    records = []
+    for completion in await collect(hf_engine.generate(prompts[0], params), n=2):
+        n = len(prompts[0])
+        records.append(
+            {
+                "input_ids": prompts[0] + completion.token_ids,
+                "loss_mask": [0] * n + [1] * len(completion.token_ids),
+                "logprobs": [0.0] * n + completion.logprobs,
+                "versions": [-1] * n + completion.versions,
+                "temperatures": [1.0] * n + [0.6] * len(completion.token_ids),
+            }
+        )
+    batch = collate(records, [1.0, -1.0])
+    mask = batch.loss_mask > 0
+    with torch.no_grad():
+        scored = token_logprobs(reference_model, batch)
+        at_one = token_logprobs(reference_model, collate([{**r, "temperatures": []} for r in records], [1.0, -1.0]))
+    assert (scored - batch.behaviour_logp)[mask].abs().max() < 1e-4  # the distribution the engine sampled from
+    assert (at_one - batch.behaviour_logp)[mask].abs().max() > 1e-2  # temperature 1 would not be
+    metrics = make_trainer(reference_model).step(batch, version=0)
+    assert metrics["logprob_mismatch_max"] < 1e-4

@@ -76,6 +76,20 @@ def test_linear_concat_export():
     assert sample.finish_reasons == ["stop", "stop", "length"]
 
 
+def test_each_sampled_token_keeps_its_sampling_temperature():
+    t = SessionTrajectory("s3", "task-t")
+    first = make("a", [1, 2], [3, 4])
+    first.temperature = 0.7
+    t.add(first)
+    second = make("b", [1, 2, 3, 4, 5], [6], parent="a")
+    second.temperature = 1.3
+    t.add(second)
+    [concat] = t.export("concat")
+    assert concat.temperatures == [1.0, 1.0, 0.7, 0.7, 1.0, 1.3]
+    individual = t.export("individual")
+    assert [s.temperatures for s in individual] == [[1.0, 1.0, 0.7, 0.7], [1.0] * 5 + [1.3]]
+
+
 def branching_session() -> SessionTrajectory:
     """Root r, then two continuations x and y of the same exchange; y has no reward."""
     t = SessionTrajectory("s2", "task-b")
