@@ -51,6 +51,7 @@ def step_settings(settings: RLGateConfig) -> StepSettings:
             behaviour_weight_cap=algorithm["behaviour_weight_cap"],
             aggregation=algorithm["aggregation"],
             kl_coef=algorithm["kl_coef"],
+            entropy_coef=algorithm["entropy_coef"],
         ),
         max_staleness=training.max_staleness,
         updates_per_batch=training.updates_per_batch,

@@ -2,7 +2,7 @@
 (synchronous GRPO) and S = 2 against an environment that takes its time,
 in one run, one after the other.
 
-    python bench/async.py [--config configs/demo.toml] [--staleness 2] [--env-delay 1.0] [--steps 10]
+    python bench/async.py [--config configs/bench-learning.toml] [--staleness 2] [--env-delay 1.0] [--steps 10]
 
 Both runs use the demo config with ``[task] env_delay_s`` set (every turn
 takes a uniformly random 0 to 2 x env-delay seconds, as tools, simulators or
@@ -75,7 +75,7 @@ def run(config_path: Path, staleness: int, env_delay: float, steps: int, concurr
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "demo.toml")
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "bench-learning.toml")
     parser.add_argument("--staleness", type=int, default=2)
     parser.add_argument("--env-delay", type=float, default=1.0, help="mean seconds per environment turn")
     parser.add_argument("--steps", type=int, default=10)

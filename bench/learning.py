@@ -1,7 +1,7 @@
 """Learning benchmark: wall-clock to a reward threshold on the demo task,
 rlgate against TRL's ``GRPOTrainer``, in one run, one after the other.
 
-    python bench/learning.py [--config configs/demo.toml] [--thresholds 0.5 0.7 0.9] [--json results.json]
+    python bench/learning.py [--config configs/bench-learning.toml] [--thresholds 0.5 0.7 0.9] [--json results.json]
 
 Both train the same model on the same task (``[task] builtin``, the demo's
 ``vowels``) with the same batch (sessions per step), group size, learning
@@ -89,8 +89,9 @@ def trl_worker(config_path: Path, out: Path) -> None:
 
     config = load_config(config_path)
     training, algorithm = config.training, config.algorithm.resolved(config.training.max_staleness)
-    if (algorithm["advantage"], algorithm["aggregation"], algorithm["kl_coef"]) != ("grpo", "seq_mean_token_mean", 0):
-        raise SystemExit("bench/learning.py compares plain GRPO (variety = grpo, no KL) only")
+    plain = (algorithm["advantage"], algorithm["aggregation"], algorithm["kl_coef"], algorithm["entropy_coef"])
+    if plain != ("grpo", "seq_mean_token_mean", 0, 0):
+        raise SystemExit("bench/learning.py compares plain GRPO (variety = grpo, no KL, no entropy bonus) only")
     task, rng = get_task(config.task.builtin), random.Random(training.seed)
     prompts = [task.problem(rng) for _ in range(training.total_steps * training.batch_size // training.group_size)]
     dataset = Dataset.from_list([{"prompt": p.messages, "problem_id": p.id} for p in prompts])
@@ -186,7 +187,7 @@ def report(results: dict, thresholds: list[float]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "demo.toml")
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "bench-learning.toml")
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.7, 0.9])
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)

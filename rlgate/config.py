@@ -118,6 +118,9 @@ class AlgorithmConfig(_Section):
     clip_high: float | None = Field(None, gt=0, le=10, description="Ratio ceiling is 1 + clip_high (default clip_low).")
     aggregation: Aggregation | None = Field(None, description="How per-token losses are averaged.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL to the initial (reference) policy; 0 disables.")
+    entropy_coef: float = Field(
+        0.0, ge=0, le=1, description="Weight of an entropy bonus on trained tokens (against collapse); 0 disables."
+    )
     behaviour_weight_cap: float = Field(
         5.0, gt=1, description="Decoupled PPO: truncate the proximal/behaviour importance weight here."
     )

@@ -83,6 +83,7 @@ class LossConfig:
     behaviour_weight_cap: float = 5.0  # decoupled PPO: truncate pi_prox / mu at this value
     aggregation: Aggregation = "token_mean"
     kl_coef: float = 0.0  # k3 KL to the reference policy; 0 disables
+    entropy_coef: float = 0.0  # bonus on the policy's token entropy (against collapse); 0 disables
 
 
 @dataclass
@@ -94,6 +95,7 @@ class PolicyBatch:
     policy for plain PPO/GSPO, the *proximal* policy for decoupled PPO.
     ``behaviour_logp``: [B, T] the sampling policy's log-probs (decoupled PPO only).
     ``ref_logp``: [B, T] a frozen reference for the KL term (optional).
+    ``entropy``: [B, T] the policy's entropy at each position (with grad; for the bonus).
     ``advantages``: [B] or [B, T]; ``mask``: [B, T] 1 on tokens to train.
     """
 
@@ -103,6 +105,7 @@ class PolicyBatch:
     mask: torch.Tensor
     behaviour_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
     def token_advantages(self) -> torch.Tensor:
         return self.advantages[:, None].expand_as(self.logp) if self.advantages.dim() == 1 else self.advantages
@@ -206,6 +209,12 @@ def policy_loss(
         kl = kl_k3(batch.logp, batch.ref_logp)
         per_token = per_token + cfg.kl_coef * kl
         extras["kl"] = kl.detach()
+    if cfg.entropy_coef:
+        if batch.entropy is None:
+            raise ValueError("entropy_coef > 0 needs the policy's token entropy")
+        per_token = per_token - cfg.entropy_coef * batch.entropy
+    if batch.entropy is not None:
+        extras["entropy"] = batch.entropy.detach()
     loss = aggregate(per_token, batch.mask, cfg.aggregation, normalizer)
     mask = batch.mask.to(per_token.dtype)
     tokens = mask.sum().clamp(min=1)

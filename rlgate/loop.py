@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from rlgate.batching import Batch, GroupBuffer
 from rlgate.grpo import group_advantages
 
 NAMESPACE = "rlgate"
+logger = logging.getLogger(__name__)
 
 
 def collect(
@@ -34,6 +36,7 @@ def collect(
     """Block until the buffer can hand out a batch trainable at ``version``
     (None once ``stop`` is set). Sessions the buffer drops are handed back to
     the CapacityActor at once, so new ones can start in their place."""
+    dropped_before, warned = buffer.counters.dropped, False
     while not stop.is_set():
         records = ray.get(trajectories.read.remote(buffer.last_read, 1000))
         dropped = buffer.counters.dropped
@@ -41,6 +44,17 @@ def collect(
         batch = buffer.take(version, max_staleness)
         if buffer.counters.dropped > dropped:
             ray.get(capacity.discard.remote(buffer.counters.dropped - dropped))
+        if not warned and buffer.counters.dropped - dropped_before >= 10 * buffer.batch_size:
+            warned = True  # e.g. dynamic sampling on a policy that answers every problem the same way
+            logger.warning(
+                "%d sessions dropped (equal rewards %d, partial %d, stale %d) while waiting for one batch "
+                "at version %d; no step can be taken from groups like these",
+                buffer.counters.dropped - dropped_before,
+                buffer.counters.dropped_equal_reward,
+                buffer.counters.dropped_partial,
+                buffer.counters.dropped_stale,
+                version,
+            )
         if batch is not None:
             return batch
         if len(records) < 1000:

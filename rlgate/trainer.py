@@ -72,10 +72,16 @@ def token_logprobs(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
     """[B, T] log-probs of each predicted token under ``model`` (float32), from
     the distribution it was sampled from: logits over the sampling temperature
     (greedy tokens, temperature 0, are scored at 1)."""
+    return logprobs_and_entropy(model, batch)[0]
+
+
+def logprobs_and_entropy(model: torch.nn.Module, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_logprobs` and the [B, T] entropy of each of those distributions."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
     temperatures = torch.where(batch.temperatures > 0, batch.temperatures, torch.ones_like(batch.temperatures))
-    logits = logits / temperatures[..., None]
-    return torch.log_softmax(logits, dim=-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    all_logp = torch.log_softmax(logits / temperatures[..., None], dim=-1)
+    entropy = -(all_logp.exp() * all_logp).sum(-1)
+    return all_logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1), entropy
 
 
 @dataclass
@@ -140,9 +146,11 @@ class PolicyTrainer:
                     continue
                 rows = slice(int(part[0]), int(part[-1]) + 1)
                 micro = batch.rows(rows)
+                logp, entropy = logprobs_and_entropy(self.model, micro)
                 loss, metrics = policy_loss(
                     PolicyBatch(
-                        logp=token_logprobs(self.model, micro),
+                        logp=logp,
+                        entropy=entropy,
                         old_logp=proximal[rows],
                         advantages=micro.advantages,
                         mask=mask[rows],

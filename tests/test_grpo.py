@@ -127,6 +127,17 @@ def test_kl_k3_by_hand_and_in_the_loss():
     assert metrics["kl"] == pytest.approx(math.exp(0.5) - 1.5)
 
 
+def test_entropy_bonus_by_hand():
+    b = batch([[1.0, 1.0]], [0.0])  # zero advantage: the policy term is 0
+    b.entropy = torch.tensor([[0.5, 1.5]])
+    loss, metrics = policy_loss(b, LossConfig(entropy_coef=0.1, aggregation="token_mean"), "ppo_clip")
+    assert loss.item() == pytest.approx(-0.1 * 1.0)  # minus coef x mean entropy
+    assert metrics["entropy"] == pytest.approx(1.0)
+    b.entropy = None
+    with pytest.raises(ValueError, match="entropy_coef > 0 needs"):
+        policy_loss(b, LossConfig(entropy_coef=0.1), "ppo_clip")
+
+
 def test_aggregations_by_hand():
     per_token = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
