@@ -44,6 +44,14 @@ class TrainChannel:
             self.results.setdefault(index, {})[rank] = result
             self._changed.notify_all()
 
+    async def forget_below(self, index: int) -> None:
+        """Drop commands (and their batches) and results before ``index``: a
+        checkpoint covers them, and a restarted worker resumes after it."""
+        async with self._changed:
+            for table in (self.commands, self.results):
+                for old in [i for i in table if i < index]:
+                    del table[old]
+
     async def wait(self, index: int, world: int, timeout_s: float) -> dict[int, dict] | None:
         """Every rank's result for command ``index``; None on timeout."""
         async with self._changed:

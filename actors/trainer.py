@@ -15,6 +15,7 @@ latest checkpoint: weights, optimizer, and the next command to run.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import tempfile
 from pathlib import Path
@@ -63,6 +64,8 @@ def step_settings(settings: RLGateConfig) -> StepSettings:
 def train_worker(setup: dict) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _quiet_reports()
+
     settings = RLGateConfig.model_validate(setup["settings"])
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
@@ -109,6 +112,16 @@ def train_worker(setup: dict) -> None:
         _report(metrics, new_version, rank, save)
         ray.get(channel.done.remote(index, rank, metrics))
         index += 1
+
+
+def _quiet_reports() -> None:
+    """Ray Train logs an INFO line per ``ray.train.report``; a step per report
+    would scroll them over the driver's progress bar. Best effort: a private module."""
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:
+        return
+    context.logger.setLevel(logging.WARNING)
 
 
 def _report(metrics: dict, version: int, rank: int, save: tuple | None) -> None:

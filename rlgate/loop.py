@@ -156,6 +156,8 @@ class Trainer:
                 raise RuntimeError(f"the trainer workers failed: {self.error}") from self.error
             results = ray.get(self.channel.wait.remote(index, self.workers, 5.0))
             if results is not None:
+                if save:  # the checkpoint covers every command so far: let their batches go
+                    ray.get(self.channel.forget_below.remote(index + 1))
                 return results[0]
         raise TimeoutError(f"training step {index} did not finish within {timeout_s} s")
 
