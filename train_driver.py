@@ -22,10 +22,11 @@ import time
 from pathlib import Path
 
 import ray
+from pydantic import ValidationError
 from ray import serve
 
 from rlgate.batching import GroupBuffer
-from rlgate.config import RLGateConfig, dump_config, load_config
+from rlgate.config import ConfigError, RLGateConfig, dump_config, load_config
 from rlgate.loop import NAMESPACE, Trainer, collect, normaliser, score
 from rlgate.runlog import RunLog
 from rlgate.sessions import hash_key
@@ -40,11 +41,14 @@ def main() -> int:
     parser.add_argument("--run-name", help="overrides [gateway] run_name (the run folder and actor names)")
     parser.add_argument("--run-dir", help="overrides [gateway] run_dir; give an absolute path under `ray job submit`")
     args = parser.parse_args()
-    config = load_config(args.config)
-    if args.run_name is not None:
-        config.gateway.run_name = args.run_name  # validated like the TOML key
-    if args.run_dir is not None:
-        config.gateway.run_dir = args.run_dir
+    try:
+        config = load_config(args.config)
+        if args.run_name is not None:
+            config.gateway.run_name = args.run_name  # validated like the TOML key
+        if args.run_dir is not None:
+            config.gateway.run_dir = args.run_dir
+    except (ConfigError, ValidationError) as err:
+        raise SystemExit(f"rlgate: {err}") from None
     run_dir = Path(config.gateway.run_dir, config.gateway.run_name).resolve()
     training, algorithm = config.training, config.algorithm.resolved(config.training.max_staleness)
     step, version, buffer_state, weights, first_command = resume_point(run_dir, args.resume)

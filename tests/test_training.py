@@ -243,3 +243,23 @@ total_steps = {steps}
         s["running"] + s["accepted"] - s["discarded"] <= (s["max_staleness"] + s["version"] + 1) * batch
         for s in status_seen
     )
+
+
+def test_bad_configs_and_overrides_are_one_line_errors(tmp_path):
+    missing = subprocess.run(
+        [sys.executable, "train_driver.py", "--config", str(tmp_path / "none.toml")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert missing.returncode != 0 and "none.toml: no such config file" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    bad_name = subprocess.run(
+        [sys.executable, "train_driver.py", "--config", "configs/demo.toml", "--run-name", "bad name!"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad_name.returncode != 0 and "run_name" in bad_name.stderr and "Traceback" not in bad_name.stderr
