@@ -7,13 +7,14 @@ Starts (or joins) Ray, serves the gateway and rollout engines throughout, and
 trains: collect whole groups of finished episodes → group-relative advantages
 → optimizer step on the Ray Train workers → every engine serves the new
 version → the capacity actor admits the next sessions → log. Episodes come
-from a built-in task (``[task] builtin``) or from any external agent using
-the gateway (online mode: with no sessions, it waits).
+from a task app (``[services] task_url``), a built-in task (``[task] builtin``)
+or any external agent using the gateway (online mode: with no sessions, it waits).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
@@ -30,7 +31,8 @@ from rlgate.config import ConfigError, RLGateConfig, dump_config, load_config
 from rlgate.loop import NAMESPACE, Trainer, collect, normaliser, score
 from rlgate.runlog import RunLog
 from rlgate.sessions import hash_key
-from rlgate.tasks import get_task, play_in_background
+from rlgate.taskapp import API_KEY_ENV, TaskAppClient, TaskAppError
+from rlgate.tasks import Episodes, builtin_episodes, get_task, task_app_episodes
 from serve_app import admin_key, build_app, resolve_model
 
 
@@ -57,6 +59,7 @@ def main() -> int:
     if weights is not None:  # engines start on the checkpoint's weights
         config.model.name = str(weights)
 
+    task_app = check_task_app(config)  # before anything starts: a bad task app fails the run at once
     ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE)
     run = f"rlgate-{config.gateway.run_name}"
     if not args.resume:
@@ -96,14 +99,16 @@ def main() -> int:
             training.batch_size, training.max_staleness, training.group_size, training.group_timeout_s
         )
     )
-    episodes = start_episodes(config, url, key)
-    log = RunLog(run_dir, training.total_steps, step)
     stopping = threading.Event()
+    episodes = start_episodes(config, url, key, stopping, task_app)
+    log = RunLog(run_dir, training.total_steps, step)
     try:
         while step < training.total_steps:
             waited = time.monotonic()
             # whole groups of finished episodes that the current policy may train on
             batch = collect(buffer, trajectories, capacity, stopping, version, training.max_staleness)
+            if batch is None:  # the environment stayed down
+                break
             records, advantages = score(batch, algorithm["advantage"])  # group-relative advantages
             started = time.monotonic()
             step += 1
@@ -120,7 +125,9 @@ def main() -> int:
             ray.get(policy.wait_served.remote(version, config.rollout.replicas))  # every engine serves v + 1
             ray.get(capacity.on_new_version.remote(version))  # admit the next sessions
             log.log(
-                step, summarise(records, metrics, version, buffer, started, synced) | {"collect_s": started - waited}
+                step,
+                summarise(records, metrics, version, buffer, started, synced)
+                | {"collect_s": started - waited, "failed": buffer.counters.failed},
             )
             log.batch(step, [r["seq"] for r in records])
     except KeyboardInterrupt:
@@ -128,7 +135,7 @@ def main() -> int:
     finally:
         stopping.set()
         if episodes is not None:
-            episodes.set()
+            episodes.stop()
         trainer.stop()
         log.close()
         plot = log.plot()
@@ -137,6 +144,9 @@ def main() -> int:
             + (f", reward curve {plot}" if plot else "")
         )
         serve.shutdown()
+    if episodes is not None and episodes.stats.fatal is not None:
+        print(f"rlgate: stopped: the environment is down: {episodes.stats.fatal}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -156,23 +166,37 @@ def serve_gateway(config: RLGateConfig, version: int) -> tuple[str, str]:
     return url, key
 
 
-def start_episodes(config: RLGateConfig, url: str, key: str) -> threading.Event | None:
-    """Play the built-in task, if one is configured; else wait for external agents (online mode)."""
-    if config.task.builtin is None:
+def check_task_app(config: RLGateConfig) -> TaskAppClient | None:
+    """The configured task app, once its /health and /task_info answer."""
+    if config.services.task_url is None:
+        return None
+    app = TaskAppClient(config.services.task_url, os.environ.get(API_KEY_ENV), config.task.rollout_timeout_s)
+    try:
+        info = asyncio.run(app.check())
+    except TaskAppError as err:
+        raise SystemExit(f"rlgate: task app check failed: {err}") from None
+    print(f"rlgate: task app {app.base_url} ({info.task.get('name', 'unnamed')}) is healthy", flush=True)
+    return app
+
+
+def start_episodes(
+    config: RLGateConfig, url: str, key: str, stopping: threading.Event, task_app: TaskAppClient | None
+) -> Episodes | None:
+    """Play the task app or the built-in task, if one is configured; else wait for
+    external agents (online mode). Sets ``stopping`` if the environment stays down."""
+    task = config.task
+    if task_app is not None:
+        groups, run = task_app_episodes(task_app, config, config.served_model_name, config.gateway.run_name)
+    elif task.builtin is not None:
+        groups, run = builtin_episodes(
+            get_task(task.builtin), url, task.max_tokens, task.temperature, config.training.seed, task.env_delay_s
+        )
+    else:
         print("rlgate: online mode: training on sessions that agents run through the gateway", flush=True)
         return None
-    _, stop = play_in_background(
-        url,
-        key,
-        get_task(config.task.builtin),
-        config.training.group_size,
-        config.task.max_concurrent,
-        max_tokens=config.task.max_tokens,
-        temperature=config.task.temperature,
-        seed=config.training.seed,
-        env_delay_s=config.task.env_delay_s,
+    return Episodes.start(
+        url, key, groups, run, config.training.group_size, task.max_concurrent, task.down_after_s, stopping
     )
-    return stop
 
 
 def resume_point(run_dir: Path, resume: bool) -> tuple[int, int, dict | None, Path | None, int]:

@@ -393,21 +393,21 @@ class Gateway:
     # --- session routes (AReaL-compatible) -----------------------------------
 
     @app.post("/rl/start_session", response_model=api.StartSessionResponse)
-    async def start_session(self, body: api.StartSessionRequest, authorization: str | None = Header(None)):
+    async def start_session(
+        self, body: api.StartSessionRequest, raw: Request, authorization: str | None = Header(None)
+    ):
         self._admin(authorization)
         if body.api_key is not None:
             if self._is_admin(body.api_key):
                 raise HTTPError(400, "api_key must be a session key, not the admin key", param="api_key")
-            key_hash = hash_key(body.api_key)
-            session_id = await self._call(
-                self.sessions.start.remote(body.task_id, key_hash, key_hash, body.group_size, body.wait_s)
-            )
-            return api.StartSessionResponse(session_id=session_id, api_key=body.api_key)
-        key = new_session_key()
+            key, refresh = body.api_key, hash_key(body.api_key)
+        else:
+            key, refresh = new_session_key(), None
         session_id = await self._call(
-            self.sessions.start.remote(body.task_id, hash_key(key), None, body.group_size, body.wait_s)
+            self.sessions.start.remote(body.task_id, hash_key(key), refresh, body.group_size, body.wait_s)
         )
-        return api.StartSessionResponse(session_id=session_id, api_key=key)
+        inference_url = f"{str(raw.base_url).rstrip('/')}/s/{key}/v1"
+        return api.StartSessionResponse(session_id=session_id, api_key=key, inference_url=inference_url)
 
     @app.post("/rl/set_reward", response_model=api.SetRewardResponse)
     async def set_reward(self, body: api.SetRewardRequest, authorization: str | None = Header(None)):
@@ -416,10 +416,14 @@ class Gateway:
         return api.SetRewardResponse(message="reward set", interaction_id=interaction_id)
 
     @app.post("/rl/end_session", response_model=api.EndSessionResponse)
-    async def end_session(self, authorization: str | None = Header(None)):
+    async def end_session(self, body: api.EndSessionRequest | None = None, authorization: str | None = Header(None)):
         key_hash = self._session_key(authorization)
-        count = await self._call(self.sessions.end.remote(key_hash))
-        return api.EndSessionResponse(message="session ended; trajectory saved", interaction_count=count)
+        failed = body is not None and body.failed
+        count = await self._call(self.sessions.end.remote(key_hash, failed))
+        message = (
+            "session ended as failed; nothing of it is trained on" if failed else "session ended; trajectory saved"
+        )
+        return api.EndSessionResponse(message=message, interaction_count=count)
 
     @app.get("/rl/trajectories")
     async def trajectories(
@@ -446,6 +450,26 @@ class Gateway:
                 Model(id=name, created=created, object="model", owned_by="rlgate") for name in self.model_names[:-1]
             ],
         }
+
+    # --- the session-scoped inference URL ----------------------------------------
+    # start_session hands out `{gateway}/s/{session key}/v1`: the path is the
+    # credential, so a task app given it as its inference_url needs no key of
+    # ours (any Authorization header it sends is ignored) and reaches no other session.
+
+    @app.get("/s/{session_key}/v1/models")
+    @app.get("/s/{session_key}/models")
+    async def scoped_models(self, session_key: str):
+        return await self.models(authorization=f"Bearer {session_key}")
+
+    @app.post("/s/{session_key}/v1/chat/completions")
+    @app.post("/s/{session_key}/chat/completions")
+    async def scoped_chat_completions(self, session_key: str, request: api.ChatCompletionRequest):
+        return await self.chat_completions(request, authorization=f"Bearer {session_key}")
+
+    @app.post("/s/{session_key}/v1/completions")
+    @app.post("/s/{session_key}/completions")
+    async def scoped_completions(self, session_key: str, request: api.CompletionRequest):
+        return await self.completions(request, authorization=f"Bearer {session_key}")
 
     def _check_model(self, name: str) -> None:
         if self.settings.gateway.strict_model and name not in self.model_names:

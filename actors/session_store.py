@@ -80,8 +80,8 @@ class SessionStore:
     async def set_reward(self, key_hash: str, reward: float, interaction_id: str | None) -> str:
         return self.manager.set_reward(key_hash, reward, interaction_id)
 
-    async def end(self, key_hash: str) -> int:
-        return await self.manager.end(key_hash)
+    async def end(self, key_hash: str, failed: bool = False) -> int:
+        return await self.manager.end(key_hash, failed)
 
     async def expire_idle(self) -> int:
         return await self.manager.expire_idle()

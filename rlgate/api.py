@@ -194,6 +194,10 @@ class StartSessionRequest(BaseModel):
 class StartSessionResponse(BaseModel):
     session_id: str
     api_key: str
+    inference_url: str = Field(
+        description="A base URL for OpenAI clients scoped to this session: its path is the credential, so "
+        "whoever holds it (e.g. a task app) needs no key and reaches no other session."
+    )
 
 
 class SetRewardRequest(BaseModel):
@@ -207,6 +211,15 @@ class SetRewardRequest(BaseModel):
 class SetRewardResponse(BaseModel):
     message: str
     interaction_id: str
+
+
+class EndSessionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    failed: bool = Field(
+        False,
+        description="The episode failed (e.g. its environment errored): nothing of it is trained on, and its "
+        "GRPO group does not wait for it.",
+    )
 
 
 class EndSessionResponse(BaseModel):

@@ -13,6 +13,11 @@ sessions' worth of whole groups.
   next batch as it is, and its advantages are normalised over the batch
   instead of within the group (``Batch.partial``), or is dropped when
   ``partial_groups = "drop"``.
+* A *failed* session (its record says ``failed``: the episode's environment
+  errored) is a member of its group with nothing to train: the group
+  completes without waiting for it, and it fills its slot in the batch as
+  it filled a slot of capacity. A group that is all failures trains nothing.
+  Drop counts are of members (failed ones included): the slots handed back.
 * A group nothing of which may be trained at the current policy version is
   dropped (``take(version, max_staleness)``): every sampled token is older
   than ``version - max_staleness``, or some token was sampled by a version
@@ -37,14 +42,19 @@ class Group:
     task_id: str
     size: int
     sessions: dict[str, list[dict]] = field(default_factory=dict)  # session id -> its records
+    failed: dict[str, list[dict]] = field(default_factory=dict)  # failed session id -> its marker record
     opened_at: float = 0.0
 
     @property
     def records(self) -> list[dict]:
         return [record for records in self.sessions.values() for record in records]
 
+    @property
+    def members(self) -> int:
+        return len(self.sessions) + len(self.failed)
+
     def full(self) -> bool:
-        return len(self.sessions) >= self.size
+        return self.members >= self.size
 
     def rewards_equal(self) -> bool:
         rewards = {record["reward"] for record in self.records}
@@ -64,20 +74,26 @@ class Batch:
     def sessions(self) -> int:
         return sum(len(g.sessions) for g in self.groups + self.partial)
 
+    @property
+    def failed(self) -> int:
+        return sum(len(g.failed) for g in self.groups + self.partial)
+
 
 @dataclass
 class Counters:
-    """Records read and batched; sessions (episodes) dropped, by reason."""
+    """Records read and batched; sessions (episodes) dropped, by reason; failed sessions."""
 
     read: int = 0
     batched: int = 0
+    failed: int = 0
     dropped_equal_reward: int = 0
     dropped_partial: int = 0
     dropped_stale: int = 0
+    dropped_failed: int = 0  # members of groups that are nothing but failed sessions
 
     @property
     def dropped(self) -> int:
-        return self.dropped_equal_reward + self.dropped_partial + self.dropped_stale
+        return self.dropped_equal_reward + self.dropped_partial + self.dropped_stale + self.dropped_failed
 
 
 def _sessions(records: list[dict]) -> list[list[dict]]:
@@ -133,14 +149,21 @@ class GroupBuffer:
             if group is None:
                 size = int(first.get("group_size") or self.group_size)
                 group = self.open[task] = Group(task, size, opened_at=self.clock())
-            group.sessions.setdefault(session_id, []).extend(fresh)
+            if first.get("failed"):
+                group.failed[session_id] = fresh
+                self.counters.failed += 1
+            else:
+                group.sessions.setdefault(session_id, []).extend(fresh)
             if group.full():
                 del self.open[task]
                 self._complete(group)
 
     def _complete(self, group: Group) -> None:
-        if self.drop_equal_reward_groups and group.rewards_equal():
-            self.counters.dropped_equal_reward += len(group.sessions)
+        if not group.sessions:  # nothing but failures: hand its slots back
+            self.counters.dropped_failed += group.members
+            self._done(group)
+        elif self.drop_equal_reward_groups and group.rewards_equal():
+            self.counters.dropped_equal_reward += group.members
             self._done(group)
         else:
             self.ready.append(group)
@@ -151,8 +174,11 @@ class GroupBuffer:
         for task, group in list(self.open.items()):
             if now - group.opened_at >= self.group_timeout_s:
                 del self.open[task]
-                if self.partial_groups == "drop":
-                    self.counters.dropped_partial += len(group.sessions)
+                if not group.sessions:
+                    self.counters.dropped_failed += group.members
+                    self._done(group)
+                elif self.partial_groups == "drop":
+                    self.counters.dropped_partial += group.members
                     self._done(group)
                 else:
                     self.expired.append(group)
@@ -170,7 +196,7 @@ class GroupBuffer:
         self.expire()
         if version is not None:
             self.drop_unusable(version, max_staleness)
-        waiting = sum(len(g.sessions) for g in self.ready + self.expired)
+        waiting = sum(g.members for g in self.ready + self.expired)
         if waiting < self.batch_size:
             return None
         return self._emit(self.batch_size)
@@ -186,14 +212,14 @@ class GroupBuffer:
             while pool and (limit is None or sessions < limit):
                 group = pool.pop(0)
                 target.append(group)
-                sessions += len(group.sessions)
+                sessions += group.members
         for group in batch.groups + batch.partial:
             self._done(group)
         self.counters.batched += len(batch.records)
         return batch
 
     def _done(self, group: Group) -> None:
-        for record in group.records:
+        for record in group.records + [r for records in group.failed.values() for r in records]:
             self.done_above.add(record["seq"])
         while self.watermark + 1 in self.done_above:
             self.watermark += 1
@@ -210,11 +236,11 @@ class GroupBuffer:
         for pool in (self.ready, self.expired):
             for group in [g for g in pool if not usable(g)]:
                 pool.remove(group)
-                self.counters.dropped_stale += len(group.sessions)
+                self.counters.dropped_stale += group.members
                 self._done(group)
 
     def pending_sessions(self) -> int:
-        return sum(len(g.sessions) for g in [*self.open.values(), *self.ready, *self.expired])
+        return sum(g.members for g in [*self.open.values(), *self.ready, *self.expired])
 
     # --- checkpoints ------------------------------------------------------------
 

@@ -200,8 +200,17 @@ class TaskConfig(_Section):
     policy_name: str | None = Field(None, description="Policy name passed to the task app.")
     env_config: dict = Field(default_factory=dict, description="Passed to the task app as env.config.")
     policy_config: dict = Field(default_factory=dict, description="Passed to the task app as policy.config.")
-    max_turns: int = Field(10, ge=1, le=10_000, description="Most turns per episode.")
+    max_turns: int = Field(
+        10, ge=1, le=10_000, description="Most turns per episode; a task app gets it as env.config.max_turns."
+    )
     max_concurrent: int = Field(8, ge=1, le=10_000, description="Most episodes in flight against the task app.")
+    seeds: list[int] = Field(
+        default_factory=list, description="Task app: training seeds, a group per seed in turn (empty: 0, 1, 2, ...)."
+    )
+    rollout_timeout_s: float = Field(600.0, gt=0, description="Task app: most seconds one POST /rollout may take.")
+    down_after_s: float = Field(
+        120.0, gt=0, description="Stop the run when every episode for this long has failed (the environment is down)."
+    )
 
 
 class EvaluationConfig(_Section):

@@ -94,7 +94,15 @@ class SessionManager:
         self._ended: dict[str, float] = {}  # key hash -> when its last session ended (for 410)
         self._refreshing: set[str] = set()
         self._closing: set[str] = set()  # key hashes whose session is being exported now
-        self.counters = {"started": 0, "ended": 0, "expired": 0, "refreshed": 0, "rejected": 0, "exported": 0}
+        self.counters = {
+            "started": 0,
+            "ended": 0,
+            "failed": 0,
+            "expired": 0,
+            "refreshed": 0,
+            "rejected": 0,
+            "exported": 0,
+        }
 
     # --- lifecycle ----------------------------------------------------------
 
@@ -148,10 +156,12 @@ class SessionManager:
         self.counters["started"] += 1
         return session_id
 
-    async def end(self, key_hash: str) -> int:
+    async def end(self, key_hash: str, failed: bool = False) -> int:
+        """End the key's session; ``failed`` marks the episode as failed (nothing of it
+        is trained on). Returns how many completions the session recorded."""
         session = self._live(key_hash)
         count = len(session.trajectory)
-        await self._end(session.id, reason="ended")
+        await self._end(session.id, reason="failed" if failed else "ended")
         return count
 
     async def _end(self, session_id: str, reason: str) -> None:
@@ -159,16 +169,19 @@ class SessionManager:
 
         The session leaves the key index first, so no request can add to it
         while it is being exported. If persisting fails, the session is put
-        back as it was (nothing is lost) and the caller gets a 503.
+        back as it was (nothing is lost) and the caller gets a 503. A failed
+        session is saved as one marker record (see ``SessionTrajectory.failure``).
         """
         session = self.sessions[session_id]
         self._by_key.pop(session.key_hash, None)
         session.ending = True
         self._closing.add(session.key_hash)
         extra = {"end_reason": reason} | ({"group_size": session.group_size} if session.group_size else {})
-        records = [
-            {**asdict(sample), **extra} for sample in session.trajectory.export(self.export_style, self.turn_discount)
-        ]
+        if reason == "failed":
+            samples = [session.trajectory.failure(self.export_style)]
+        else:
+            samples = session.trajectory.export(self.export_style, self.turn_discount)
+        records = [{**asdict(sample), **extra} for sample in samples]
         try:
             if records:
                 await self.persist(records)
@@ -182,7 +195,8 @@ class SessionManager:
         self._ended[session.key_hash] = time.time()
         self.counters["exported"] += len(records)
         self.counters["ended"] += 1
-        await self.capacity.release(accepted=len(session.trajectory) > 0)
+        self.counters["failed"] += reason == "failed"
+        await self.capacity.release(accepted=bool(records))
 
     async def expire_idle(self) -> int:
         """End every session idle past the timeout; return how many."""

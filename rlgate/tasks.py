@@ -1,19 +1,25 @@
 """Built-in tasks and the small agent loop that plays them through the gateway.
 
 A task hands out problems (chat messages) and scores a reply in [0, 1]. The
-agent loop is an ordinary OpenAI-SDK agent: for each problem it starts
-``group_size`` sessions (one GRPO group), asks, scores, sets the reward and
-ends the session, exactly as an external agent would.
+agent loop (:func:`play`) is what an external agent would do: for each problem
+it starts ``group_size`` sessions (one GRPO group), plays each episode, sets
+the reward and ends the session. An episode is either a built-in task played
+by an ordinary OpenAI-SDK agent (:func:`builtin_episodes`) or one rollout of
+a task app (:func:`task_app_episodes`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import re
 import threading
-from dataclasses import dataclass
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -64,69 +70,184 @@ def get_task(name: str):
     return TASKS[name]()
 
 
+@dataclass
+class EpisodeStats:
+    """What the player has done so far; read by the driver for its metrics."""
+
+    played: int = 0  # episodes rewarded and ended
+    failed: int = 0  # episodes ended as failed (their environment or the policy call errored)
+    last_error: str | None = None
+    fatal: str | None = None  # why the player gave up (the environment stayed down); it stops then
+    last_success: float = field(default_factory=time.monotonic)
+    failed_since_success: int = 0
+
+
 async def play(
     url: str,
     admin_key: str,
-    task,
+    groups: Iterator[tuple[str, Any]],
+    run: Callable[[dict, Any], Awaitable[float]],
     group_size: int,
     concurrency: int,
     stop: threading.Event,
-    max_tokens: int = 32,
-    temperature: float = 1.0,
-    seed: int = 0,
-    env_delay_s: float = 0.0,
+    stats: EpisodeStats | None = None,
+    down_after_s: float = 60.0,
 ) -> None:
-    """Play episodes until ``stop`` is set: groups of ``group_size`` sessions per problem.
-    ``env_delay_s`` > 0 makes the environment slow: each turn then takes a
-    uniformly random 0 to 2 × ``env_delay_s`` seconds before it is scored."""
+    """Play episodes until ``stop`` is set, a group of ``group_size`` sessions per
+    item of ``groups`` (``(task_id, problem)``). Each episode: start a session
+    (long-polling for capacity), ``reward = await run(session, problem)`` with the
+    ``start_session`` answer, set the reward, end the session. An episode that
+    raises is ended as failed and costs that episode only; when every episode
+    for ``down_after_s`` seconds has failed, the player sets ``stats.fatal`` and stops."""
     import httpx
-    import openai
 
-    rng = random.Random(seed)
+    stats = stats if stats is not None else EpisodeStats()
     slots = asyncio.Semaphore(concurrency)
     admin = {"Authorization": f"Bearer {admin_key}"}
 
-    async def episode(http: httpx.AsyncClient, problem: Problem) -> None:
+    async def episode(http: httpx.AsyncClient, task_id: str, problem: Any) -> None:
         async with slots:
             while not stop.is_set():  # a long poll: the staleness bound admits us when the policy moves on
-                body = {"task_id": problem.id, "wait_s": 10.0}
-                started = await http.post(f"{url}/rl/start_session", json=body, headers=admin)
+                started = await http.post(
+                    f"{url}/rl/start_session", json={"task_id": task_id, "wait_s": 10.0}, headers=admin
+                )
                 if started.status_code != 429:
                     break
             else:
                 return
             started.raise_for_status()
-            key = started.json()["api_key"]
-            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=2)
-            reply = await client.chat.completions.create(
-                model="default", messages=problem.messages, max_tokens=max_tokens, temperature=temperature
-            )
-            if env_delay_s > 0:  # the environment's own time (tools, a simulator, a judge)
-                await asyncio.sleep(rng.uniform(0, 2 * env_delay_s))
-            reward = task.reward(problem, reply.choices[0].message.content or "")
-            session = {"Authorization": f"Bearer {key}"}
-            await http.post(f"{url}/rl/set_reward", json={"reward": reward}, headers=session)
-            await http.post(f"{url}/rl/end_session", headers=session)
-            await client.close()
+            session = started.json()
+            auth = {"Authorization": f"Bearer {session['api_key']}"}
+            try:
+                reward = await run(session, problem)
+                answer = await http.post(f"{url}/rl/set_reward", json={"reward": reward}, headers=auth)
+                if answer.status_code != 200:
+                    raise RuntimeError(f"set_reward: {answer.status_code} {answer.text[:200]}")
+            except Exception as err:
+                await http.post(f"{url}/rl/end_session", json={"failed": True}, headers=auth)
+                failed(f"{err.__class__.__name__}: {err}")
+                return
+            (await http.post(f"{url}/rl/end_session", headers=auth)).raise_for_status()
+            stats.played += 1
+            stats.last_success, stats.failed_since_success = time.monotonic(), 0
+
+    def failed(error: str) -> None:
+        stats.failed += 1
+        stats.failed_since_success += 1
+        if stats.last_error != error:
+            logger.warning("episode failed: %s", error)
+        stats.last_error = error
+        quiet_s = time.monotonic() - stats.last_success
+        if stats.fatal is None and stats.failed_since_success >= 3 and quiet_s >= down_after_s:
+            stats.fatal = f"every episode for {quiet_s:.0f} s failed; the last: {error}"
+            stop.set()
 
     async with httpx.AsyncClient(timeout=600) as http:
         running: set[asyncio.Task] = set()
         while not stop.is_set():
             for finished in [t for t in running if t.done()]:
                 running.discard(finished)
-                if finished.exception() is not None:  # a failed episode costs that episode only
-                    logger.warning("episode failed: %s", finished.exception())
+                if finished.exception() is not None:  # the gateway refused the session itself
+                    failed(f"{finished.exception()}")
             if len(running) >= 2 * concurrency:
                 await asyncio.sleep(0.05)
                 continue
-            problem = task.problem(rng)
-            running.update(asyncio.create_task(episode(http, problem)) for _ in range(group_size))
+            task_id, problem = next(groups)
+            running.update(asyncio.create_task(episode(http, task_id, problem)) for _ in range(group_size))
         await asyncio.gather(*running, return_exceptions=True)
 
 
-def play_in_background(*args, **kwargs) -> tuple[threading.Thread, threading.Event]:
-    """Run :func:`play` in a thread of its own; set the returned event to stop it."""
-    stop = threading.Event()
-    thread = threading.Thread(target=lambda: asyncio.run(play(*args, stop=stop, **kwargs)), daemon=True)
-    thread.start()
-    return thread, stop
+def builtin_episodes(
+    task, url: str, max_tokens: int = 32, temperature: float = 1.0, seed: int = 0, env_delay_s: float = 0.0
+) -> tuple[Iterator[tuple[str, Problem]], Callable[[dict, Problem], Awaitable[float]]]:
+    """``(groups, run)`` for :func:`play` on a built-in task, played by an ordinary
+    OpenAI-SDK agent with its session key. ``env_delay_s`` > 0 makes the
+    environment slow: each turn then takes a uniformly random 0 to 2 ×
+    ``env_delay_s`` seconds before it is scored."""
+    import openai
+
+    rng = random.Random(seed)
+
+    def groups() -> Iterator[tuple[str, Problem]]:
+        while True:
+            problem = task.problem(rng)
+            yield problem.id, problem
+
+    async def run(session: dict, problem: Problem) -> float:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=session["api_key"], max_retries=2) as client:
+            reply = await client.chat.completions.create(
+                model="default", messages=problem.messages, max_tokens=max_tokens, temperature=temperature
+            )
+        if env_delay_s > 0:  # the environment's own time (tools, a simulator, a judge)
+            await asyncio.sleep(rng.uniform(0, 2 * env_delay_s))
+        return task.reward(problem, reply.choices[0].message.content or "")
+
+    return groups(), run
+
+
+def task_app_episodes(
+    app, config, model: str, run_id: str
+) -> tuple[Iterator[tuple[str, int]], Callable[[dict, int], Awaitable[float]]]:
+    """``(groups, run)`` for :func:`play` against a task app (``rlgate.taskapp.TaskAppClient``):
+    a group per seed (``[task] seeds`` in turn, or 0, 1, 2, ...); each episode is one
+    ``POST /rollout`` whose policy is the session's scoped inference URL."""
+    from rlgate.taskapp import EnvSpec, PolicySpec, RolloutRequest, TaskAppError
+
+    task = config.task
+    name = task.env_name or "task"
+
+    def groups() -> Iterator[tuple[str, int]]:
+        for seed in itertools.cycle(task.seeds) if task.seeds else itertools.count():
+            yield f"{name}-seed-{seed}", seed
+
+    async def run(session: dict, seed: int) -> float:
+        policy = {**task.policy_config, "model": model, "inference_url": session["inference_url"]}
+        request = RolloutRequest(
+            run_id=f"{run_id}-{session['session_id']}",
+            env=EnvSpec(env_name=task.env_name, config={"max_turns": task.max_turns, **task.env_config}, seed=seed),
+            policy=PolicySpec(policy_name=task.policy_name, config=policy),
+            mode="rl",
+            record={"trajectories": True},
+            training_session_id=session["session_id"],
+        )
+        response = await app.rollout(request)
+        reward = response.metrics.reward()
+        if reward is None:
+            raise TaskAppError("POST /rollout: metrics carry no outcome_reward")
+        return reward
+
+    return groups(), run
+
+
+class Episodes:
+    """:func:`play` in a thread of its own, with its :class:`EpisodeStats`."""
+
+    def __init__(self, stats: EpisodeStats, stop: threading.Event, thread: threading.Thread) -> None:
+        self.stats, self._stop, self.thread = stats, stop, thread
+
+    @classmethod
+    def start(
+        cls,
+        url: str,
+        admin_key: str,
+        groups: Iterator[tuple[str, Any]],
+        run: Callable[[dict, Any], Awaitable[float]],
+        group_size: int,
+        concurrency: int,
+        down_after_s: float = 60.0,
+        on_fatal: threading.Event | None = None,
+    ) -> Episodes:
+        """Start playing; ``on_fatal`` is set too if the player gives up."""
+        stats, stop = EpisodeStats(), threading.Event()
+
+        def main() -> None:
+            asyncio.run(play(url, admin_key, groups, run, group_size, concurrency, stop, stats, down_after_s))
+            if stats.fatal is not None and on_fatal is not None:
+                on_fatal.set()
+
+        thread = threading.Thread(target=main, daemon=True, name="rlgate-episodes")
+        thread.start()
+        return cls(stats, stop, thread)
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -75,6 +75,7 @@ class Sample:
     created_at: float
     ended_at: float
     temperatures: list[float] = field(default_factory=list)  # per token: sampling temperature (1.0 elsewhere)
+    failed: bool = False  # the episode failed (e.g. its environment errored): a marker, nothing to train on
 
 
 class SessionTrajectory:
@@ -160,6 +161,26 @@ class SessionTrajectory:
         if style == "concat":
             return [self._concat(path, turn_discount, ended) for path in self.branches()]
         raise ValueError(f"unknown export style {style!r}; expected 'individual' or 'concat'")
+
+    def failure(self, style: ExportStyle) -> Sample:
+        """The record of a failed episode: no tokens, but it still counts as a member
+        of its GRPO group, so the group completes without waiting for it."""
+        return Sample(
+            session_id=self.session_id,
+            task_id=self.task_id,
+            style=style,
+            interaction_ids=[],
+            rewards=[],
+            reward=0.0,
+            input_ids=[],
+            loss_mask=[],
+            logprobs=[],
+            versions=[],
+            finish_reasons=[],
+            created_at=self.created_at,
+            ended_at=time.time(),
+            failed=True,
+        )
 
     def _individual(self, interaction: Interaction, returns: dict[str, float], ended: float) -> Sample:
         prompt = len(interaction.prompt_ids)

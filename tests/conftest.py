@@ -5,6 +5,8 @@ suite fast)."""
 from __future__ import annotations
 
 import os
+import socket
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,7 +95,6 @@ def reference_model(tiny_path):
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray cluster with Serve's HTTP proxy on a free loopback port."""
-    import socket
 
     import ray
     from ray import serve
@@ -159,3 +160,29 @@ def start_gateway(ray_session, tmp_path_factory, name: str, settings: dict) -> G
     serve.run(build_app(config, hash_key(admin_key)), name=name, route_prefix=f"/{name}")
     rollout = serve.get_deployment_handle("RolloutServer", app_name=name)
     return GatewayApp(name, f"{ray_session.serve_url}/{name}", admin_key, config, run_root / name, rollout)
+
+
+@contextmanager
+def serve_asgi(app):
+    """Serve an ASGI app (e.g. a task app) with uvicorn on a free loopback port,
+    in a thread; yields its base URL."""
+    import threading
+    import time
+
+    import uvicorn
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the ASGI app did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

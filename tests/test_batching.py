@@ -156,6 +156,37 @@ def test_every_record_is_used_exactly_once_across_a_restart():
     assert len(set(used)) == len(used)  # ... nothing twice
 
 
+def failed(seq, task, session):
+    return {"seq": seq, "task_id": task, "session_id": session, "reward": 0.0, "failed": True}
+
+
+def test_a_failed_session_completes_its_group_and_fills_its_batch_slot():
+    buffer = GroupBuffer(batch_size=4, group_size=2)
+    buffer.add(records([("a", "s1", 1.0), ("b", "s2", 0.0), ("b", "s3", 1.0)]))
+    assert buffer.take() is None
+    buffer.add([failed(4, "a", "s4")])  # a's second episode failed: the group does not wait for it
+    batch = buffer.take()
+    assert [(g.task_id, sessions_of(g), sorted(g.failed)) for g in batch.groups] == [
+        ("b", ["s2", "s3"], []),
+        ("a", ["s1"], ["s4"]),
+    ]
+    assert [r["seq"] for r in batch.records] == [2, 3, 1]  # the marker is never trained on
+    assert (batch.sessions, batch.failed, buffer.counters.failed, buffer.counters.dropped) == (3, 1, 1, 0)
+    assert buffer.state() == {"watermark": 4, "done_above": []}  # the marker is consumed with its group
+
+
+def test_a_group_of_failures_hands_its_slots_back():
+    buffer = GroupBuffer(batch_size=2, group_size=2)
+    buffer.add([failed(1, "a", "s1"), failed(2, "a", "s2")])
+    assert buffer.take() is None and buffer.counters.dropped_failed == 2 and buffer.counters.dropped == 2
+    assert buffer.state() == {"watermark": 2, "done_above": []}
+    clock = Clock()  # and one that times out short
+    buffer = GroupBuffer(batch_size=2, group_size=3, group_timeout_s=10, clock=clock)
+    buffer.add([failed(1, "a", "s1")])
+    clock.now = 11
+    assert buffer.take() is None and buffer.counters.dropped_failed == 1
+
+
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="at least 1"):
         GroupBuffer(batch_size=0, group_size=2)

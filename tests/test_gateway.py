@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from rlgate.models import CALCULATOR_TOOL
+from rlgate.models import CALCULATOR_TOOL, TOOL_PROBLEMS
 from tests.conftest import start_gateway
 
 SETTINGS = {
@@ -361,3 +361,64 @@ def test_session_keys_never_reach_disk(gw):
         if path.is_file():
             text = path.read_text(errors="replace")
             assert session["api_key"] not in text and gw.admin_key not in text
+
+
+def test_a_task_app_plays_a_multi_turn_tool_episode_through_the_scoped_url(gw):
+    """examples/tool_task_app.py, served for real, plays one rollout against the
+    gateway: tiny-tools calls the calculator, gets the result, answers; the task
+    app needs no key of ours, and the session records one exact sequence."""
+    from examples.tool_task_app import app, problem
+    from rlgate.taskapp import EnvSpec, PolicySpec, RolloutRequest, TaskAppClient
+    from tests.conftest import serve_asgi
+
+    seed = next(s for s in range(10_000) if problem(s)[0] in TOOL_PROBLEMS)  # one tiny-tools has learned
+    session = gw.start_session("calc-seed")
+    assert session["inference_url"] == f"{gw.url}/s/{session['api_key']}/v1"
+    policy = {"model": "default", "inference_url": session["inference_url"], "temperature": 0, "max_tokens": 48}
+    request = RolloutRequest(
+        run_id="t", env=EnvSpec(env_name="calculator", seed=seed), policy=PolicySpec(config=policy)
+    )
+    with serve_asgi(app) as url:
+        response = asyncio.run(TaskAppClient(url, api_key=None).rollout(request))
+    assert response.metrics.event_rewards, response.metrics  # the policy called the tool at least once
+    assert response.metrics.num_steps == len(response.metrics.event_rewards) + 1  # then answered
+    headers = session_headers(session["api_key"])
+    assert httpx.post(f"{gw.url}/rl/set_reward", json={"reward": 1.0}, headers=headers).status_code == 200
+    before = len(gw.trajectories())
+    assert httpx.post(f"{gw.url}/rl/end_session", headers=headers).json()["interaction_count"] >= 2
+    [record] = [r for r in gw.trajectories()[before:] if r["session_id"] == session["session_id"]]
+    assert sum(record["loss_mask"]) > 0 and record["style"] == "concat" and not record["failed"]
+
+
+def test_the_scoped_url_reaches_only_its_own_live_session(gw):
+    mine, other = gw.start_session("scoped"), gw.start_session("scoped")
+    scoped = openai.OpenAI(base_url=mine["inference_url"], api_key="anything-the-app-sends", max_retries=0)
+    reply = scoped.chat.completions.create(model="default", messages=ask(), max_tokens=4)
+    assert reply.choices[0].message is not None
+    assert [m.id for m in scoped.models.list()] == ["tiny-tools"]
+    for key in (mine, other):
+        httpx.post(f"{gw.url}/rl/end_session", headers=session_headers(key["api_key"]))
+    records = gw.trajectories()
+    assert {r["session_id"] for r in records if r["task_id"] == "scoped"} == {mine["session_id"]}  # not other's
+    with pytest.raises(openai.APIStatusError) as ended:  # an ended session's URL is dead
+        scoped.chat.completions.create(model="default", messages=ask(), max_tokens=4)
+    assert ended.value.status_code == 410
+    guessed = openai.OpenAI(base_url=f"{gw.url}/s/rlg-not-a-key/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        guessed.chat.completions.create(model="default", messages=ask(), max_tokens=4)
+    admin_path = httpx.post(
+        f"{gw.url}/s/{gw.admin_key}/v1/chat/completions", json={"model": "default", "messages": ask()}
+    )
+    assert admin_path.status_code == 400 and "admin key" in admin_path.text
+
+
+def test_a_failed_episode_is_saved_as_a_marker_the_trainer_skips(gw):
+    session = gw.start_session("fails", group_size=2)
+    client(gw, session["api_key"]).chat.completions.create(model="default", messages=ask(), max_tokens=4)
+    headers = session_headers(session["api_key"])
+    ended = httpx.post(f"{gw.url}/rl/end_session", json={"failed": True}, headers=headers)
+    assert ended.status_code == 200 and "failed" in ended.json()["message"]
+    [marker] = [r for r in gw.trajectories() if r["session_id"] == session["session_id"]]
+    assert marker["failed"] and marker["input_ids"] == [] and marker["group_size"] == 2
+    bad = httpx.post(f"{gw.url}/rl/end_session", json={"failed": "maybe"}, headers=headers)
+    assert bad.status_code == 422 and "failed" in bad.text

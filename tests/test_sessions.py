@@ -161,6 +161,27 @@ async def test_refresh_without_capacity_is_429_and_says_the_old_session_ended():
     assert m.begin("k", [])[0] == new
 
 
+async def test_a_failed_session_is_saved_as_one_marker_with_no_tokens():
+    m, capacity, persist = make_manager()
+    sid = await m.start("task", "k", group_size=4)
+    m.record(sid, [turn("i1", key="x1")])
+    assert await m.end("k", failed=True) == 1
+    [marker] = persist.records
+    assert (marker["session_id"], marker["task_id"], marker["failed"], marker["end_reason"]) == (
+        sid,
+        "task",
+        True,
+        "failed",
+    )
+    assert marker["input_ids"] == marker["loss_mask"] == marker["interaction_ids"] == [] and marker["group_size"] == 4
+    # it took a slot like any finished session; the trainer hands the slot back if it drops the group
+    assert capacity.releases == [True] and (m.counters["ended"], m.counters["failed"]) == (1, 1)
+    await expect_error(410, lambda: m.begin("k", []))
+    await m.start("task", "k2")
+    await m.end("k2", failed=True)  # a session that failed before its first completion is marked too
+    assert [r["failed"] for r in persist.records] == [True, True] and capacity.releases == [True, True]
+
+
 async def test_end_then_410_for_that_key():
     m, capacity, persist = make_manager()
     sid = await m.start("task", "k")
@@ -311,6 +332,7 @@ async def test_stats_counters():
         "open_interactions": 0,
         "started": 3,
         "ended": 1,
+        "failed": 0,
         "expired": 0,
         "refreshed": 1,
         "rejected": 1,

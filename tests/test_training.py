@@ -53,17 +53,17 @@ max_tokens = 12
     return path
 
 
-def train(path: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env |= {
+def train(path: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    settings = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    settings |= {
         "RLGATE_ADMIN_KEY": "train-test-admin-key-0123",
         "RAY_AUTH_MODE": "disabled",
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
-    }
+    } | (env or {})
     return subprocess.run(
         [sys.executable, "train_driver.py", "--config", str(path), *extra],
         cwd=ROOT,
-        env=env,
+        env=settings,
         capture_output=True,
         text=True,
         timeout=900,
@@ -263,3 +263,85 @@ def test_bad_configs_and_overrides_are_one_line_errors(tmp_path):
         timeout=120,
     )
     assert bad_name.returncode != 0 and "run_name" in bad_name.stderr and "Traceback" not in bad_name.stderr
+
+
+def task_app_config(tmp_path, task_url: str, total_steps: int = 2, down_after_s: float = 120) -> Path:
+    path = tmp_path / "taskapp.toml"
+    path.write_text(f"""
+[model]
+name = "tiny-random"
+[rollout]
+max_model_len = 512
+kv_cache_gib = 0.5
+[gateway]
+run_name = "taskapp"
+run_dir = "{tmp_path / "runs"}"
+port = {free_port()}
+[services]
+task_url = "{task_url}"
+[task]
+env_name = "math"
+policy_config = {{ max_tokens = 8 }}
+seeds = [11, 12, 13]
+max_concurrent = 8
+down_after_s = {down_after_s}
+[training]
+batch_size = 8
+group_size = 4
+learning_rate = 1e-3
+total_steps = {total_steps}
+""")
+    return path
+
+
+def test_a_task_app_drives_training_and_its_failures_cost_single_episodes(tmp_path, monkeypatch):
+    """examples/math_task_app.py behind its environment key, with every fifth
+    rollout crashing: the run trains on the rest, counts the failures, and
+    never trains on a failed episode."""
+    from examples.math_task_app import rollout
+    from rlgate.taskapp import create_task_app
+    from tests.conftest import serve_asgi
+
+    seen, calls = [], [0]
+
+    async def flaky(episode):
+        seen.append(episode.request)
+        calls[0] += 1
+        if calls[0] % 5 == 0:
+            raise RuntimeError("the simulator fell over")
+        return await rollout(episode)
+
+    monkeypatch.setenv("ENVIRONMENT_API_KEY", "env-secret-for-tests")
+    with serve_asgi(create_task_app("math", flaky)) as url:
+        wrong = train(task_app_config(tmp_path, url), env={"ENVIRONMENT_API_KEY": "not-the-key"})
+        assert wrong.returncode != 0
+        assert "task app check failed: GET " in wrong.stderr and "/health: 401 unauthorised" in wrong.stderr
+        result = train(task_app_config(tmp_path, url))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run = tmp_path / "runs" / "taskapp"
+    metrics = lines(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2] and metrics[-1]["failed"] > 0
+    records = {r["seq"]: r for f in sorted((run / "trajectories").glob("*.jsonl")) for r in lines(f)}
+    failed = [r for r in records.values() if r.get("failed")]
+    assert failed and all(r["input_ids"] == [] and r["end_reason"] == "failed" for r in failed)
+    trained = [records[seq] for b in lines(run / "batches.jsonl") for seq in b["seqs"]]
+    assert trained and not any(r.get("failed") for r in trained)
+    assert all(r["task_id"] in {"math-seed-11", "math-seed-12", "math-seed-13"} for r in trained)
+    # the contract as the task app saw it: RL mode, our seeds, a session-scoped inference URL per episode
+    assert {r.mode for r in seen} == {"rl"} and {r.env.seed for r in seen} <= {11, 12, 13}
+    urls = [r.policy.config["inference_url"] for r in seen]
+    assert all("/s/rlg-" in u and u.endswith("/v1") for u in urls) and len(set(urls)) == len(urls)
+    assert all(r.policy.config["max_tokens"] == 8 and r.env.config["max_turns"] == 10 for r in seen)
+
+
+def test_a_task_app_that_stays_down_stops_the_run_with_its_reason(tmp_path):
+    from rlgate.taskapp import create_task_app
+    from tests.conftest import serve_asgi
+
+    async def down(episode):
+        raise ConnectionError("database unreachable")
+
+    with serve_asgi(create_task_app("math", down, api_key="")) as url:
+        result = train(task_app_config(tmp_path, url, down_after_s=3))
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "the environment is down: every episode for" in result.stderr and "database unreachable" in result.stderr
