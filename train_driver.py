@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -60,6 +61,7 @@ def main() -> int:
         config.model.name = str(weights)
 
     task_app = check_task_app(config)  # before anything starts: a bad task app fails the run at once
+    signal.signal(signal.SIGTERM, interrupted)  # `ray job stop` and cancelled RL jobs stop as Ctrl-C does
     ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE)
     run = f"rlgate-{config.gateway.run_name}"
     if not args.resume:
@@ -143,23 +145,35 @@ def main() -> int:
             f"rlgate: {step} steps, policy version {version}; metrics in {log.path}"
             + (f", reward curve {plot}" if plot else "")
         )
-        serve.shutdown()
+        serve.delete(app_name(config))
+        if not serve.status().applications:  # nothing else is served here
+            serve.shutdown()
     if episodes is not None and episodes.stats.fatal is not None:
         print(f"rlgate: stopped: the environment is down: {episodes.stats.fatal}", file=sys.stderr)
         return 1
     return 0
 
 
+def interrupted(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def app_name(config: RLGateConfig) -> str:
+    """The run's Serve application: ``rlgate`` at the root, else named for the run."""
+    return "rlgate" if config.gateway.route_prefix == "/" else f"rlgate-{config.gateway.run_name}"
+
+
 def serve_gateway(config: RLGateConfig, version: int) -> tuple[str, str]:
-    """The gateway and rollout engines on Serve's HTTP proxy; returns the URL and admin key."""
-    host, port = config.gateway.host, config.gateway.port
+    """The gateway and rollout engines on Serve's HTTP proxy (one already running
+    keeps its own host and port); returns the URL and admin key."""
+    gateway = config.gateway
+    host, port, prefix = gateway.host, gateway.port, gateway.route_prefix
     key, generated = admin_key(host)
     quiet = {"enable_access_log": False}  # a line per request would bury the progress bar
     serve.start(http_options={"host": host, "port": port}, logging_config=quiet)
-    serve.run(
-        build_app(config, hash_key(key), initial_version=version), name="rlgate", route_prefix="/", logging_config=quiet
-    )
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    app = build_app(config, hash_key(key), initial_version=version)
+    serve.run(app, name=app_name(config), route_prefix=prefix, logging_config=quiet)
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}{prefix.rstrip('/')}"
     print(f"rlgate: gateway at {url} (OpenAI base URL {url}/v1)", flush=True)
     if generated:
         print(f"rlgate: admin key (shown once; set RLGATE_ADMIN_KEY to choose it): {key}", flush=True)

@@ -17,6 +17,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,9 +34,10 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.capacity import get_or_create_capacity
+from actors.job_manager import get_or_create_job_manager
 from actors.session_store import SessionStore
 from actors.trajectory_store import TrajectoryStore
-from rlgate import api
+from rlgate import api, jobs
 from rlgate.chat import ChatRenderer, exchange_keys, extend_key
 from rlgate.config import RLGateConfig
 from rlgate.engines import SamplingParams
@@ -118,6 +120,10 @@ def _bearer(authorization: str | None) -> str:
     if scheme.lower() != "bearer" or not token.strip():
         raise HTTPError(401, "malformed Authorization header: expected 'Bearer <key>'")
     return token.strip()
+
+
+class _ServiceDown(HTTPError):
+    """An actor behind a route died (Ray may be restarting it)."""
 
 
 # Helpers used by the Gateway's methods are defined before the class: Serve's
@@ -333,6 +339,7 @@ class Gateway:
         self.sessions = SessionStore.options(
             name=f"{run}-sessions", namespace=NAMESPACE, lifetime="detached", get_if_exists=True
         ).remote(self.capacity, self.trajectories, gateway.model_dump())
+        self._job_manager = None  # made on the first /api/rl/jobs call
 
     # --- auth ----------------------------------------------------------------
 
@@ -359,7 +366,7 @@ class Gateway:
                 raise cause from None
             raise
         except RayActorError as err:
-            raise HTTPError(503, f"session service unavailable: {err.__class__.__name__}; retry") from None
+            raise _ServiceDown(503, f"session service unavailable: {err.__class__.__name__}; retry") from None
 
     # --- health and status ---------------------------------------------------
 
@@ -436,6 +443,73 @@ class Gateway:
         records = await self.trajectories.read.remote(since, limit)
         body = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
         return StreamingResponse(iter([body]), media_type="application/x-ndjson")
+
+    # --- RL jobs (synth-ai compatible) ---------------------------------------
+    # The admin key reaches every job; a job's own key (returned at creation)
+    # reaches that job only, and cannot list or create jobs.
+
+    @property
+    def job_manager(self):
+        if self._job_manager is None:
+            gateway = self.settings.gateway
+            jobs_dir = str(Path(gateway.run_dir).parent / "jobs")
+            where = {"host": gateway.host, "port": gateway.port}
+            self._job_manager = get_or_create_job_manager(jobs_dir, where, gateway.max_running_jobs)
+        return self._job_manager
+
+    async def _jobs(self, method: str, *args):
+        """Call the JobManager; one that died is replaced (it reloads every job from disk) and asked again."""
+        try:
+            return await self._call(getattr(self.job_manager, method).remote(*args))
+        except _ServiceDown:
+            self._job_manager = None
+            return await self._call(getattr(self.job_manager, method).remote(*args))
+
+    def _job_caller(self, authorization: str | None) -> str | None:
+        """None for the admin, else the job key the caller sent."""
+        key = _bearer(authorization)
+        return None if self._is_admin(key) else key
+
+    @app.post("/api/rl/jobs", response_model=jobs.JobCreated)
+    async def create_job(
+        self,
+        body: jobs.JobRequest,
+        authorization: str | None = Header(None),
+        idempotency_key: str | None = Header(None, max_length=256),
+    ):
+        self._admin(authorization)
+        return await self._jobs("submit", body.model_dump(exclude_unset=True), idempotency_key)
+
+    @app.get("/api/rl/jobs", response_model=list[jobs.Job])
+    async def list_jobs(self, authorization: str | None = Header(None)):
+        self._admin(authorization)
+        return await self._jobs("list")
+
+    @app.get("/api/rl/jobs/{job_id}", response_model=jobs.Job)
+    async def get_job(self, job_id: str, authorization: str | None = Header(None)):
+        return await self._jobs("get", job_id, self._job_caller(authorization))
+
+    @app.get("/api/rl/jobs/{job_id}/events", response_model=list[jobs.Event])
+    async def job_events(
+        self,
+        job_id: str,
+        since_seq: int = Query(0, ge=0),
+        limit: int = Query(200, ge=1, le=10_000),
+        authorization: str | None = Header(None),
+    ):
+        caller = self._job_caller(authorization)
+        return await self._jobs("get_events", job_id, caller, since_seq, limit)
+
+    @app.get("/api/rl/jobs/{job_id}/metrics")
+    async def job_metrics(
+        self, job_id: str, after_step: int = Query(0, ge=0), authorization: str | None = Header(None)
+    ):
+        caller = self._job_caller(authorization)
+        return {"points": await self._jobs("get_metrics", job_id, caller, after_step)}
+
+    @app.post("/api/rl/jobs/{job_id}/cancel", response_model=jobs.Job)
+    async def cancel_job(self, job_id: str, authorization: str | None = Header(None)):
+        return await self._jobs("cancel", job_id, self._job_caller(authorization))
 
     # --- OpenAI routes -------------------------------------------------------
 

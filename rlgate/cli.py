@@ -3,13 +3,21 @@
     rlgate model prepare NAME [--dtype float32|bfloat16]
     rlgate check-parity --model NAME [--engine auto|vllm|hf] [--tolerance X]
     rlgate chat [--config configs/chat.toml]
+    rlgate serve [--config configs/serve.toml] [--host H] [--port P]
+    rlgate train --config X [--task-app URL] [--poll]          an RL job on a running gateway
+    rlgate jobs list | status ID | events ID | cancel ID
+    rlgate session start --task-id T | reward --key K R | end --key K [--failed]
 
-Exit codes: 0 success, 1 a check failed, 2 bad usage or input.
+The HTTP commands talk to ``--backend`` (default ``$RLGATE_URL``, else
+http://127.0.0.1:8000) with ``--api-key`` (default ``$RLGATE_ADMIN_KEY``).
+Exit codes: 0 success, 1 a check or job failed, 2 bad usage or input.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 from rlgate.models import BUILTIN_DTYPES, ModelNotFoundError, prepare_model
@@ -37,11 +45,62 @@ def _parser() -> argparse.ArgumentParser:
 
     chat = commands.add_parser("chat", help="serve the model on Ray, run a short scripted chat, save its trajectory")
     chat.add_argument("--config", default="configs/chat.toml")
+
+    commands.add_parser("serve", help="run the gateway and rollout engines (serve_app.py)", add_help=False)
+
+    def http(command):
+        command.add_argument("--backend", default=os.environ.get("RLGATE_URL", "http://127.0.0.1:8000"))
+        command.add_argument("--api-key", default=os.environ.get("RLGATE_ADMIN_KEY"), help="default $RLGATE_ADMIN_KEY")
+        return command
+
+    train = http(commands.add_parser("train", help="submit an RL job to a running gateway"))
+    train.add_argument("--config", required=True, help="an RL TOML (rlgate's or synth-ai's shape)")
+    train.add_argument("--task-app", help="the task app's base URL (overrides [services] task_url)")
+    train.add_argument("--model", help="overrides [model] name")
+    train.add_argument("--idempotency-key", help="resubmitting with the same key returns the same job")
+    train.add_argument("--poll", action="store_true", help="follow the job with a live progress display")
+
+    jobs = commands.add_parser("jobs", help="RL jobs").add_subparsers(dest="action", required=True)
+    http(jobs.add_parser("list", help="every job, newest first"))
+    for action, text in (("status", "one job's status"), ("events", "one job's events"), ("cancel", "cancel a job")):
+        http(jobs.add_parser(action, help=text)).add_argument("job_id")
+    jobs.choices["events"].add_argument("--since", type=int, default=0, help="only events after this seq")
+
+    session = commands.add_parser("session", help="gateway sessions").add_subparsers(dest="action", required=True)
+    start = http(session.add_parser("start", help="start a session; prints its id, key and inference URL"))
+    start.add_argument("--task-id", required=True)
+    start.add_argument("--group-size", type=int)
+    start.add_argument("--wait", type=float, default=0.0, help="wait up to this long for capacity")
+    reward = http(session.add_parser("reward", help="set a reward on the session's latest (or given) completion"))
+    reward.add_argument("--key", required=True, help="the session's api_key")
+    reward.add_argument("reward", type=float)
+    reward.add_argument("--interaction-id")
+    end = http(session.add_parser("end", help="end a session (its trajectory is saved)"))
+    end.add_argument("--key", required=True, help="the session's api_key")
+    end.add_argument("--failed", action="store_true", help="the episode failed: train on none of it")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # serve_app.py's own options
+        from serve_app import main as serve
+
+        sys.argv = ["rlgate serve", *argv[1:]]
+        serve()
+        return 0
     args = _parser().parse_args(argv)
+    if args.command in ("train", "jobs", "session"):
+        from rlgate.client import RLGateError
+
+        try:
+            return _http_command(args)
+        except RLGateError as err:
+            print(f"rlgate: error: {err.message}", file=sys.stderr)
+            print(f"rlgate: hint: {_hint(err, args)}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
     try:
         if args.command == "model":
             print(prepare_model(args.name, args.dtype))
@@ -83,6 +142,87 @@ def _check_parity(args) -> int:
         print(f"FAIL: {problem}", file=sys.stderr)
     print("parity: " + ("FAIL" if problems else "OK"))
     return 1 if problems else 0
+
+
+def _hint(err, args) -> str:
+    if err.status == 0:
+        return f"is the gateway running at {args.backend}? set --backend or RLGATE_URL"
+    if err.status in (401, 403):
+        return "pass the admin key (or the job's own key) with --api-key or RLGATE_ADMIN_KEY"
+    if err.status == 404:
+        return "`rlgate jobs list` shows the jobs there are"
+    if err.status == 422:
+        return "fix the config or request as the message says, then submit again"
+    if err.status == 409:
+        return "nothing to do: the job or session is already in that state"
+    return "see the gateway's logs for more"
+
+
+def _http_command(args) -> int:
+    from rlgate.client import RLGateError, RLJob, Session, list_jobs
+
+    if args.api_key is None:
+        raise RLGateError(401, "no API key given")
+    show = lambda value: print(json.dumps(value, indent=2))  # noqa: E731
+    if args.command == "train":
+        job = RLJob.from_config(
+            args.config, args.backend, args.api_key, args.task_app, args.idempotency_key, args.model
+        )
+        job_id = job.submit()
+        print(f"rlgate: job {job_id} submitted" + (f"; its own key: {job.job_api_key}" if job.job_api_key else ""))
+        return _follow(job) if args.poll else 0
+    if args.command == "jobs":
+        if args.action == "list":
+            for item in list_jobs(args.backend, args.api_key):
+                step = item["progress"].get("step", 0)
+                print(f"{item['job_id']}  {item['status']:<10} step {step}/{item['total_steps']}  {item['model']}")
+            return 0
+        job = RLJob.from_job_id(args.job_id, args.backend, args.api_key)
+        if args.action == "status":
+            show(job.get_status())
+        elif args.action == "events":
+            for event in job.events(since_seq=args.since, limit=10_000):
+                print(f"{event['seq']:>5} {event['type']:<24} {event['message']}")
+        else:
+            print(f"rlgate: job {args.job_id} {job.cancel()['status']}")
+        return 0
+    if args.action == "start":
+        session = Session.start(args.backend, args.api_key, args.task_id, args.group_size, args.wait)
+        show({"session_id": session.session_id, "api_key": session.api_key, "inference_url": session.inference_url})
+        return 0
+    session = Session(args.backend, args.api_key, {"session_id": None, "api_key": args.key}, "")
+    show(session.set_reward(args.reward, args.interaction_id) if args.action == "reward" else session.end(args.failed))
+    return 0
+
+
+def _follow(job) -> int:
+    """A live progress bar until the job finishes; 0 if it succeeded."""
+    import time
+
+    from tqdm import tqdm
+
+    bar, seen = None, 0
+    while True:
+        status = job.get_status()
+        progress = status["progress"]
+        if bar is None and status["total_steps"]:
+            bar = tqdm(total=status["total_steps"], desc=job.job_id, unit="step")
+        if bar is not None:
+            step = progress.get("step", 0)
+            bar.update(step - seen)
+            seen = step
+            bar.set_postfix(status=status["status"], reward=progress.get("reward_mean"))
+        if status["status"] in ("succeeded", "failed", "cancelled"):
+            break
+        time.sleep(2.0)
+    if bar is not None:
+        bar.close()
+    if status["status"] != "succeeded":
+        print(f"rlgate: job {job.job_id} {status['status']}: {status['error'] or ''}".rstrip(": "), file=sys.stderr)
+        return 1
+    results = status["results"]
+    print(f"rlgate: job {job.job_id} succeeded; final reward {results['final_reward']}; model {results['model_path']}")
+    return 0
 
 
 if __name__ == "__main__":

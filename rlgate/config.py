@@ -60,6 +60,12 @@ class RolloutConfig(_Section):
 class GatewayConfig(_Section):
     host: str = Field("127.0.0.1", min_length=1, description="Address the HTTP server binds.")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
+    route_prefix: str = Field(
+        "/",
+        pattern=r"^/([A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*)?$",
+        description="Where the gateway is mounted on Serve's proxy; one proxy can serve several runs "
+        "(RL jobs get /jobs/<id>).",
+    )
     run_name: str = Field(
         "default", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Names the run folder and the run's named actors."
     )
@@ -79,6 +85,7 @@ class GatewayConfig(_Section):
     tool_parser: Literal["auto", "hermes", "none"] = Field(
         "auto", description="Tool-call format; auto detects it from the chat template."
     )
+    max_running_jobs: int = Field(1, ge=1, le=1000, description="RL jobs (/api/rl/jobs) run at once; more wait queued.")
     max_body_bytes: int = Field(4 * 2**20, ge=1024, description="Largest request body (413 beyond).")
     max_messages: int = Field(1024, ge=1, description="Most messages in one chat request.")
     max_n: int = Field(16, ge=1, le=128, description="Most choices per request.")

@@ -99,7 +99,7 @@ def ray_session():
     import ray
     from ray import serve
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=4, include_dashboard=True, log_to_driver=False)  # the dashboard serves the job API
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

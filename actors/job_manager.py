@@ -1,0 +1,326 @@
+"""JobManager: RL jobs, each run as a Ray job of ``train_driver.py``.
+
+Created (get-if-exists, detached, named ``rlgate-jobs``) by the Gateway, whose
+``/api/rl/jobs`` routes call it. Owns the job records, their events and the
+idempotency keys, all kept under ``<jobs_dir>/<job id>/`` (``job.json``,
+``events.jsonl``, ``config.toml``, and the run folder ``runs/<job id>``), so a
+restarted JobManager (or gateway) picks every job up again from disk.
+
+A job is submitted through Ray's job submission API, so it shows on the Ray
+dashboard with its logs. Its driver serves its own gateway under
+``/jobs/<id>`` on the cluster's Serve proxy. At most ``max_running`` jobs run
+at once; the rest wait as ``queued``. A watcher polls Ray's status and the
+run's ``metrics.jsonl`` once a second and turns them into events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import ray
+from pydantic import ValidationError
+
+from rlgate import jobs
+from rlgate.config import ConfigError, dump_config
+from rlgate.sessions import SessionError, hash_key, same_secret
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "rlgate-jobs"
+
+
+class JobManager:
+    def __init__(self, jobs_dir: str, gateway: dict, max_running: int = 1, python: str = sys.executable) -> None:
+        self.dir = Path(jobs_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.gateway, self.max_running, self.python = gateway, max_running, python
+        self.jobs: dict[str, jobs.Job] = {}
+        self.keys: dict[str, str] = {}  # job id -> hash of its API key
+        self.idempotency: dict[str, str] = {}  # idempotency key -> job id
+        self.events: dict[str, list[jobs.Event]] = {}
+        self.seen_steps: dict[str, int] = {}
+        self.submit_failures: dict[str, int] = {}
+        for path in sorted(self.dir.glob("*/job.json")):  # a restart: every job as it was left
+            stored = json.loads(path.read_text())
+            job = jobs.Job.model_validate(stored["job"])
+            self.jobs[job.job_id], self.keys[job.job_id] = job, stored["key_hash"]
+            if stored.get("idempotency_key"):
+                self.idempotency[stored["idempotency_key"]] = job.job_id
+            events = path.parent / "events.jsonl"
+            lines = events.read_text().splitlines() if events.exists() else []
+            self.events[job.job_id] = [jobs.Event.model_validate_json(line) for line in lines]
+            self.seen_steps[job.job_id] = max(
+                (e.data.get("step", 0) for e in self.events[job.job_id] if e.type == "rl.iteration.complete"),
+                default=0,
+            )
+        self._client = None
+        self._watcher: asyncio.Task | None = None
+
+    # --- helpers --------------------------------------------------------------------
+
+    @property
+    def client(self):
+        from ray.job_submission import JobSubmissionClient
+
+        if self._client is None:  # this cluster's job API (not "auto": several clusters may share a machine)
+            self._client = JobSubmissionClient(ray.get_runtime_context().gcs_address)
+        return self._client
+
+    def _ensure_watcher(self) -> None:
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.create_task(self._watch())
+
+    def _folder(self, job_id: str) -> Path:
+        return self.dir / job_id
+
+    def _run_dir(self, job_id: str) -> Path:
+        return self._folder(job_id) / "runs" / job_id
+
+    def _save(self, job_id: str, idempotency_key: str | None = None) -> None:
+        path = self._folder(job_id) / "job.json"
+        old = json.loads(path.read_text()) if path.exists() else {}
+        record = {
+            "job": self.jobs[job_id].model_dump(mode="json"),
+            "key_hash": self.keys[job_id],
+            "idempotency_key": idempotency_key or old.get("idempotency_key"),
+        }
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(record))
+        temporary.replace(path)  # a crash leaves the old record or the new one, never half of one
+
+    def _event(self, job_id: str, kind: str, message: str, data: dict | None = None) -> None:
+        events = self.events.setdefault(job_id, [])
+        event = jobs.Event(seq=len(events) + 1, type=kind, message=message, created_at=time.time(), data=data or {})
+        events.append(event)
+        with open(self._folder(job_id) / "events.jsonl", "a") as out:
+            out.write(event.model_dump_json() + "\n")
+
+    def _job(self, job_id: str, key: str | None) -> jobs.Job:
+        self._ensure_watcher()
+        if job_id not in self.jobs:
+            raise SessionError(404, f"no job {job_id!r}")
+        if key is not None and not same_secret(hash_key(key), self.keys[job_id]):
+            raise SessionError(403, "this key belongs to another job")
+        return self.jobs[job_id]
+
+    # --- the routes' calls ---------------------------------------------------------------
+    # ``key``: None when the caller holds the admin key, else the job key it sent.
+
+    async def submit(self, body: dict, idempotency_key: str | None) -> dict:
+        self._ensure_watcher()
+        if idempotency_key and idempotency_key in self.idempotency:
+            job = self.jobs[self.idempotency[idempotency_key]]
+            return jobs.JobCreated(job_id=job.job_id, status=job.status).model_dump()
+        try:
+            request = jobs.JobRequest.model_validate(body)
+            config = jobs.job_config(request)
+        except ValidationError as err:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+            raise SessionError(422, f"invalid job request: {problems}") from None
+        except ConfigError as err:
+            raise SessionError(422, f"invalid job config: {err}") from None
+        gpus = config.compute.gpus_per_worker if config.compute.gpus_per_worker is not None else 0.0
+        problem = jobs.shortfall(jobs.needed_resources(config, gpus), ray.cluster_resources())
+        if problem:
+            raise SessionError(422, problem)
+        job_id = "job-" + secrets.token_hex(6)
+        key = "rlg-job-" + secrets.token_urlsafe(24)
+        self._folder(job_id).mkdir(parents=True)
+        gateway = config.gateway
+        gateway.run_name, gateway.run_dir = job_id, str(self._run_dir(job_id).parent)
+        gateway.host, gateway.port, gateway.route_prefix = self.gateway["host"], self.gateway["port"], f"/jobs/{job_id}"
+        config.tags = {**config.tags, **{str(k): str(v) for k, v in request.tags.items()}}
+        dump_config(config, self._folder(job_id) / "config.toml")
+        self.jobs[job_id] = jobs.Job(
+            job_id=job_id,
+            status="queued",
+            created_at=time.time(),
+            tags=request.tags,
+            metadata=request.metadata,
+            model=config.model.name,
+            task_app_url=config.services.task_url,
+            total_steps=config.training.total_steps,
+            progress=jobs.progress([], config.training.total_steps),
+        )
+        self.keys[job_id], self.events[job_id], self.seen_steps[job_id] = hash_key(key), [], 0
+        if idempotency_key:
+            self.idempotency[idempotency_key] = job_id
+        self._save(job_id, idempotency_key)
+        self._event(job_id, "rl.created", f"job created: {config.model.name}, {config.training.total_steps} steps")
+        await self._start_queued()
+        return jobs.JobCreated(job_id=job_id, status=self.jobs[job_id].status, api_key=key).model_dump()
+
+    async def list(self) -> list[dict]:
+        self._ensure_watcher()
+        return [job.model_dump(mode="json") for job in sorted(self.jobs.values(), key=lambda j: -j.created_at)]
+
+    async def get(self, job_id: str, key: str | None) -> dict:
+        self._ensure_watcher()
+        return self._job(job_id, key).model_dump(mode="json")
+
+    async def get_events(self, job_id: str, key: str | None, since_seq: int, limit: int) -> list[dict]:
+        self._job(job_id, key)
+        chosen = [e for e in self.events.get(job_id, []) if e.seq > since_seq][:limit]
+        return [e.model_dump(mode="json") for e in chosen]
+
+    async def get_metrics(self, job_id: str, key: str | None, after_step: int) -> list[dict]:
+        self._job(job_id, key)
+        return [m for m in self._metrics(job_id) if m["step"] > after_step]
+
+    async def cancel(self, job_id: str, key: str | None) -> dict:
+        job = self._job(job_id, key)
+        if job.status in jobs.FINISHED:
+            raise SessionError(409, f"job {job_id} has already {job.status}")
+        if self._submitted(job_id):
+            await asyncio.to_thread(self.client.stop_job, job_id)
+            asyncio.create_task(self._tidy_after_stop(job_id))
+        self._finish(job_id, "cancelled", None)
+        return job.model_dump(mode="json")
+
+    async def _tidy_after_stop(self, job_id: str) -> None:
+        for _ in range(120):  # the driver cleans up after itself on SIGTERM; if it was killed first, we do
+            info = await asyncio.to_thread(self.client.get_job_info, job_id)
+            if info.status.is_terminal():
+                break
+            await asyncio.sleep(1.0)
+        await self._drop_leftovers(job_id)
+
+    # --- running jobs --------------------------------------------------------------------
+
+    def _submitted(self, job_id: str) -> bool:
+        return (self._folder(job_id) / "submitted").exists()
+
+    async def _start_queued(self) -> None:
+        running = sum(
+            1
+            for j in self.jobs.values()
+            if j.status == "running" or (j.status == "queued" and self._submitted(j.job_id))
+        )
+        for job in sorted(self.jobs.values(), key=lambda j: j.created_at):
+            if running >= self.max_running:
+                return
+            if job.status == "queued" and not self._submitted(job.job_id):
+                await self._submit_to_ray(job)
+                running += self._submitted(job.job_id)
+
+    async def _submit_to_ray(self, job: jobs.Job) -> None:
+        config_path = self._folder(job.job_id) / "config.toml"
+        entrypoint = shlex.join([self.python, str(ROOT / "train_driver.py"), "--config", str(config_path)])
+        env = {
+            "RLGATE_ADMIN_KEY": "rlg-admin-" + secrets.token_urlsafe(24),  # the job's own gateway, used by its driver
+            "PYTHONPATH": str(ROOT),
+            "RAY_JOB_STOP_WAIT_TIME_S": "60",  # time for a cancelled driver to stop its engines and trainer
+        }
+        try:
+            await asyncio.to_thread(
+                self.client.submit_job,
+                entrypoint=f"cd {shlex.quote(str(ROOT))} && {entrypoint}",
+                submission_id=job.job_id,
+                runtime_env={"env_vars": env},
+                metadata={"rlgate_job": job.job_id},
+            )
+        except Exception as err:  # e.g. "no available agent" while the cluster starts: retry for a minute
+            tries = self.submit_failures[job.job_id] = self.submit_failures.get(job.job_id, 0) + 1
+            if tries >= 60:
+                self._finish(job.job_id, "failed", f"Ray's job API refused the job {tries} times: {err}")
+            return
+        (self._folder(job.job_id) / "submitted").touch()
+
+    def _metrics(self, job_id: str) -> list[dict]:
+        path = self._run_dir(job_id) / "metrics.jsonl"
+        if not path.exists():
+            return []
+        lines = path.read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip().endswith("}")]  # a line being written waits
+
+    def _results(self, job_id: str) -> jobs.JobResults:
+        metrics = self._metrics(job_id)
+        found = []
+        for state in self._run_dir(job_id).glob("trainer/checkpoint_*/trainer_state.json"):
+            step = json.loads(state.read_text())["driver"]["step"]
+            found.append(jobs.Checkpoint(step=step, path=str(state.parent / "model")))
+        found.sort(key=lambda c: c.step)
+        return jobs.JobResults(
+            final_reward=metrics[-1]["reward_mean"] if metrics else None,
+            checkpoints=found,
+            model_path=found[-1].path if found else None,
+        )
+
+    def _finish(self, job_id: str, status: str, error: str | None) -> None:
+        job = self.jobs[job_id]
+        if job.status in jobs.FINISHED:
+            return
+        self._catch_up(job_id)
+        job.status, job.error, job.finished_at = status, error, time.time()
+        job.results = self._results(job_id)
+        message = {"succeeded": "job succeeded", "cancelled": "job cancelled"}.get(status, f"job failed: {error}")
+        self._event(job_id, f"rl.{status}", message, job.results.model_dump(mode="json"))
+        self._save(job_id)
+
+    def _catch_up(self, job_id: str) -> None:
+        """Events and progress for metrics lines not yet reported."""
+        job, metrics = self.jobs[job_id], self._metrics(job_id)
+        for line in metrics:
+            if line["step"] > self.seen_steps[job_id]:
+                kind, message, data = jobs.iteration_event(line)
+                self._event(job_id, kind, message, data)
+                self.seen_steps[job_id] = line["step"]
+        job.progress = jobs.progress(metrics, job.total_steps)
+
+    async def _watch(self) -> None:
+        while True:
+            for job in [j for j in self.jobs.values() if j.status not in jobs.FINISHED and self._submitted(j.job_id)]:
+                try:
+                    await self._poll(job)
+                except Exception as err:  # the job API is briefly unavailable: try again next time
+                    print(f"rlgate jobs: could not poll {job.job_id}: {err}", file=sys.stderr)
+            await self._start_queued()
+            await asyncio.sleep(1.0)
+
+    async def _poll(self, job: jobs.Job) -> None:
+        info = await asyncio.to_thread(self.client.get_job_info, job.job_id)
+        status = jobs.RAY_STATUS.get(info.status.value, "queued")
+        if status == "running" and job.status == "queued":
+            job.status, job.started_at = "running", time.time()
+            self._event(job.job_id, "rl.running", "job running")
+        if status in jobs.FINISHED:
+            error = None
+            if status == "failed":
+                error = _last_line(await asyncio.to_thread(self.client.get_job_logs, job.job_id)) or info.message
+            self._finish(job.job_id, status, error)
+            await self._drop_leftovers(job.job_id)
+            return
+        self._catch_up(job.job_id)
+        self._save(job.job_id)
+
+    async def _drop_leftovers(self, job_id: str) -> None:
+        """A job killed before its own cleanup may leave its Serve app behind."""
+        from ray import serve
+
+        try:
+            if f"rlgate-{job_id}" in serve.status().applications:
+                await asyncio.to_thread(serve.delete, f"rlgate-{job_id}", False)
+        except Exception as err:
+            print(f"rlgate jobs: could not remove the Serve app of {job_id}: {err}", file=sys.stderr)
+
+
+def _last_line(logs: str) -> str | None:
+    """The driver's own one-line reason (``rlgate: ...``), else the last line of its logs."""
+    lines = [line.strip() for line in logs.splitlines() if line.strip()]
+    ours = [line for line in lines if line.startswith("rlgate: ") and ("fail" in line or "stopped" in line)]
+    if ours:
+        return ours[-1].removeprefix("rlgate: ")
+    return lines[-1] if lines else None
+
+
+def get_or_create_job_manager(jobs_dir: str, gateway: dict, max_running: int = 1):
+    return (
+        ray.remote(JobManager)
+        .options(name=NAME, namespace="rlgate", lifetime="detached", get_if_exists=True, num_cpus=0)
+        .remote(jobs_dir, gateway, max_running)
+    )

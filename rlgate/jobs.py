@@ -1,0 +1,180 @@
+"""RL jobs: the HTTP schema of ``/api/rl/jobs`` and the pure logic behind it.
+
+A job is an RL config (synth-ai's payload or our own) that the JobManager
+runs as a Ray job (``train_driver.py``). Here, without Ray: the request and
+record models, turning a request into a validated :class:`RLGateConfig`,
+whether the cluster could ever run it, Ray's job status in our words, and the
+events and progress read off the run's ``metrics.jsonl``.
+
+Status moves ``queued`` → ``running`` → ``succeeded`` | ``failed`` |
+``cancelled``; events are ``rl.created``, ``rl.running``,
+``rl.iteration.complete``, ``rl.evaluation.complete`` and one of
+``rl.succeeded`` / ``rl.failed`` / ``rl.cancelled``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlgate.config import ConfigError, RLGateConfig, parse_config
+
+Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+FINISHED = ("succeeded", "failed", "cancelled")
+
+# Ray's JobStatus values, in our words.
+RAY_STATUS = {
+    "PENDING": "queued",
+    "RUNNING": "running",
+    "SUCCEEDED": "succeeded",
+    "FAILED": "failed",
+    "STOPPED": "cancelled",
+}
+
+
+class JobData(BaseModel):
+    """synth-ai's ``data``: the task app, the parsed RL TOML and the model."""
+
+    model_config = ConfigDict(extra="allow")
+    endpoint_base_url: str | None = Field(None, description="The task app's base URL ([services] task_url).")
+    config: dict[str, Any] | None = Field(None, description="The RL config as parsed TOML (synth-ai's or ours).")
+    model: str | None = Field(None, description="Overrides [model] name (e.g. Qwen/Qwen3-0.6B from the local cache).")
+    base_model: str | None = Field(None, description="The same as model (synth-ai's older name).")
+
+
+class JobRequest(BaseModel):
+    """``POST /api/rl/jobs``: synth-ai's shape (``job_type``, ``compute``, ``data``)
+    or the native one (``config_toml`` as text, or ``config`` as JSON)."""
+
+    model_config = ConfigDict(extra="forbid")
+    job_type: Literal["rl"] = "rl"
+    compute: dict[str, Any] = Field(default_factory=dict, description="synth-ai's [compute]: gpu_type, gpu_count.")
+    data: JobData | None = None
+    config: dict[str, Any] | None = Field(None, description="Native: the config as JSON.")
+    config_toml: str | None = Field(None, description="Native: the config as TOML text.")
+    task_app_url: str | None = Field(None, description="Native: overrides [services] task_url.")
+    tags: dict[str, Any] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class JobCreated(BaseModel):
+    job_id: str
+    status: Status
+    api_key: str | None = Field(None, description="A key for this job's routes only; returned once, at creation.")
+
+
+class Checkpoint(BaseModel):
+    step: int
+    path: str
+
+
+class JobResults(BaseModel):
+    final_reward: float | None = None
+    checkpoints: list[Checkpoint] = Field(default_factory=list)
+    model_path: str | None = Field(None, description="The final model: a Hugging Face folder.")
+
+
+class Job(BaseModel):
+    """What ``GET /api/rl/jobs/{id}`` answers (and what is kept on disk, with the key's hash)."""
+
+    job_id: str
+    status: Status
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    error: str | None = None
+    progress: dict[str, Any] = Field(default_factory=dict)
+    results: JobResults = Field(default_factory=JobResults)
+    tags: dict[str, Any] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    model: str = ""
+    task_app_url: str | None = None
+    total_steps: int = 0
+
+
+class Event(BaseModel):
+    seq: int
+    type: str
+    message: str
+    created_at: float
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+def job_config(request: JobRequest) -> RLGateConfig:
+    """The request's validated config; ConfigError names every field that is wrong."""
+    given = [name for name in ("data", "config", "config_toml") if getattr(request, name) is not None]
+    if len(given) != 1:
+        raise ConfigError(
+            "give the config exactly once: synth-ai's data.config, or config (JSON), or config_toml (text)"
+            + (f"; got {', '.join(given)}" if given else "")
+        )
+    data = request.data or JobData()
+    if request.config_toml is not None:
+        try:
+            raw = tomllib.loads(request.config_toml)
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config_toml: not valid TOML: {err}") from None
+    else:
+        raw = request.config if request.config is not None else (data.config or {})
+    raw = {section: dict(body) if isinstance(body, dict) else body for section, body in raw.items()}
+    if request.compute:  # synth-ai sends [compute] beside the config; it wins over the config's own
+        raw["compute"] = {**raw.get("compute", {}), **request.compute}
+    source = "data.config" if request.data is not None else "config"
+    config = parse_config(raw, source=source)
+    model = data.model or data.base_model
+    if model:
+        config.model.name = model
+    task_url = data.endpoint_base_url or request.task_app_url
+    if task_url:
+        config.services.task_url = task_url
+    if config.services.task_url is None and config.task.builtin is None:
+        raise ConfigError(
+            f"{source}: a job needs episodes: set [services] task_url (or data.endpoint_base_url) or [task] builtin"
+        )
+    return config
+
+
+def needed_resources(config: RLGateConfig, trainer_gpus: float) -> dict[str, float]:
+    """What the job's rollout replicas and trainer workers take, by Ray resource."""
+    rollout, compute = config.rollout, config.compute
+    return {
+        "CPU": rollout.replicas * rollout.num_cpus + compute.trainer_workers * compute.cpus_per_worker,
+        "GPU": rollout.replicas * rollout.num_gpus + compute.trainer_workers * trainer_gpus,
+    }
+
+
+def shortfall(needed: dict[str, float], cluster: dict[str, float]) -> str | None:
+    """Why a cluster with ``cluster`` resources in all can never run a job needing
+    ``needed``, or None if it can (once other jobs are done)."""
+    missing = [
+        f"{amount:g} {name} (the cluster has {cluster.get(name, 0):g})"
+        for name, amount in needed.items()
+        if amount > cluster.get(name, 0)
+    ]
+    return "the cluster can never run this job: it needs " + ", ".join(missing) if missing else None
+
+
+def progress(metrics: list[dict], total_steps: int) -> dict[str, Any]:
+    """The job's progress from its metrics lines so far."""
+    if not metrics:
+        return {"step": 0, "total_steps": total_steps, "fraction": 0.0}
+    last = metrics[-1]
+    return {
+        "step": last["step"],
+        "total_steps": total_steps,
+        "fraction": last["step"] / total_steps,
+        "reward_mean": last.get("reward_mean"),
+        "policy_version": last.get("version"),
+        "failed_episodes": last.get("failed", 0),
+    }
+
+
+def iteration_event(metrics: dict) -> tuple[str, str, dict]:
+    """The event one metrics line makes: (type, message, data)."""
+    if "eval_reward_mean" in metrics:
+        kind, what = "rl.evaluation.complete", f"evaluation at step {metrics['step']}"
+        return kind, f"{what}: reward {metrics['eval_reward_mean']:.3f}", metrics
+    message = f"step {metrics['step']}: reward {metrics.get('reward_mean', float('nan')):.3f}"
+    return "rl.iteration.complete", message, metrics

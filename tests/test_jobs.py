@@ -1,0 +1,93 @@
+"""rlgate.jobs: job requests to configs, resource arithmetic, progress and events (pure)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from rlgate import jobs
+from rlgate.config import ConfigError
+
+SYNTH = {
+    "algorithm": {"type": "online", "method": "policy_gradient", "variety": "gspo"},
+    "model": {"base": "smollm2-135m-instruct", "trainer_mode": "full"},
+    "rollout": {"env_name": "math", "max_concurrent_rollouts": 4},
+    "training": {"batch_size": 8, "group_size": 4, "learning_rate": 1e-5, "iterations_per_epoch": 3},
+}
+
+
+def test_synth_ai_payload_maps_onto_a_config():
+    request = jobs.JobRequest.model_validate(
+        {
+            "job_type": "rl",
+            "compute": {"gpu_type": "cpu", "gpu_count": 0},
+            "data": {"endpoint_base_url": "http://127.0.0.1:8201", "config": SYNTH, "model": "tiny-random"},
+            "tags": {"team": "a"},
+        }
+    )
+    config = jobs.job_config(request)
+    assert config.services.task_url == "http://127.0.0.1:8201"
+    assert config.model.name == "tiny-random"  # data.model wins over [model] base
+    assert config.algorithm.variety == "gspo" and config.training.total_steps == 3
+    assert config.compute.gpus_per_worker == 0  # gpu_type "cpu"
+    assert config.task.env_name == "math" and config.task.max_concurrent == 4
+
+
+def test_native_payloads_toml_or_json():
+    toml = '[model]\nname = "tiny-random"\n[task]\nbuiltin = "vowels"\n[training]\ntotal_steps = 2\n'
+    config = jobs.job_config(jobs.JobRequest(config_toml=toml))
+    assert (config.task.builtin, config.training.total_steps) == ("vowels", 2)
+    config = jobs.job_config(
+        jobs.JobRequest(config={"model": {"name": "tiny-random"}}, task_app_url="http://127.0.0.1:9")
+    )
+    assert config.services.task_url == "http://127.0.0.1:9"
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({}, "give the config exactly once"),
+        ({"config": {}, "config_toml": ""}, "got config, config_toml"),
+        ({"config_toml": "[model"}, "config_toml: not valid TOML"),
+        ({"config": {"model": {"name": "tiny-random"}}}, "a job needs episodes"),
+        ({"config": {"training": {"batch_size": 0}, "task": {"builtin": "vowels"}}}, "training.batch_size"),
+        ({"config": {"trainig": {}, "task": {"builtin": "vowels"}}}, "trainig: unknown key"),
+        ({"data": {"config": {**SYNTH, "training": {"lora": True}}}}, "training.lora"),
+    ],
+)
+def test_bad_requests_name_what_is_wrong(body, message):
+    with pytest.raises(ConfigError, match=message):
+        jobs.job_config(jobs.JobRequest.model_validate(body))
+
+
+def test_unknown_request_fields_are_refused():
+    with pytest.raises(ValidationError, match="configg"):
+        jobs.JobRequest.model_validate({"configg": {}})
+
+
+def test_resources_and_what_a_cluster_can_never_run():
+    config = jobs.job_config(
+        jobs.JobRequest(config={"task": {"builtin": "vowels"}, "compute": {"trainer_workers": 2, "cpus_per_worker": 2}})
+    )
+    needed = jobs.needed_resources(config, trainer_gpus=1)
+    assert needed == {"CPU": 1 * 1 + 2 * 2, "GPU": 0 + 2 * 1}
+    assert jobs.shortfall(needed, {"CPU": 16, "GPU": 2}) is None
+    assert jobs.shortfall(needed, {"CPU": 4}) == (
+        "the cluster can never run this job: it needs 5 CPU (the cluster has 4), 2 GPU (the cluster has 0)"
+    )
+
+
+def test_progress_and_events_from_metrics():
+    assert jobs.progress([], 10) == {"step": 0, "total_steps": 10, "fraction": 0.0}
+    line = {"step": 4, "version": 4, "reward_mean": 0.25, "failed": 2}
+    assert jobs.progress([line], 10) == {
+        "step": 4,
+        "total_steps": 10,
+        "fraction": 0.4,
+        "reward_mean": 0.25,
+        "policy_version": 4,
+        "failed_episodes": 2,
+    }
+    assert jobs.iteration_event(line)[:2] == ("rl.iteration.complete", "step 4: reward 0.250")
+    assert jobs.iteration_event({"step": 5, "eval_reward_mean": 0.5})[0] == "rl.evaluation.complete"
+    assert jobs.RAY_STATUS["STOPPED"] == "cancelled" and set(jobs.RAY_STATUS.values()) <= set(jobs.Status.__args__)

@@ -1,0 +1,209 @@
+"""RL jobs over real HTTP: the gateway's /api/rl/jobs on the test cluster's Serve
+proxy, each job a real Ray job running train_driver.py against a real task app
+(examples/math_task_app.py) on tiny-random, driven through the SDK."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import ray
+
+from rlgate.client import RLGateError, RLJob
+from tests.conftest import serve_asgi, start_gateway
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def jobsgw(ray_session, tmp_path_factory):
+    from ray import serve
+
+    port = int(ray_session.serve_url.rsplit(":", 1)[1])
+    settings = {
+        "model": {"name": "tiny-random"},
+        "rollout": {"max_model_len": 512, "kv_cache_gib": 0.5},
+        "gateway": {"port": port, "max_running_jobs": 1},
+    }
+    app = start_gateway(ray_session, tmp_path_factory, "jobsgw", settings)
+    yield app
+    serve.delete("jobsgw")
+
+
+@pytest.fixture(scope="module")
+def task_app():
+    from examples.math_task_app import app
+
+    with serve_asgi(app) as url:
+        yield url
+
+
+def payload(task_url: str, steps: int = 2, **training) -> dict:
+    """synth-ai's payload shape, with an RL config in synth-ai's TOML shape."""
+    config = {
+        "algorithm": {"type": "online", "method": "policy_gradient", "variety": "grpo"},
+        "model": {"base": "smollm2-135m-instruct", "trainer_mode": "full"},
+        "rollout": {"env_name": "math", "max_concurrent_rollouts": 8},
+        "training": {"batch_size": 8, "group_size": 4, "learning_rate": 1e-3, "iterations_per_epoch": steps} | training,
+        "vllm": {"max_model_len": 512},
+    }
+    return {
+        "job_type": "rl",
+        "compute": {"gpu_type": "cpu", "gpu_count": 0},
+        "data": {"endpoint_base_url": task_url, "config": config, "model": "tiny-random"},
+        "tags": {"test": "jobs"},
+    }
+
+
+def wait_for(job: RLJob, statuses: set[str], timeout: float = 300) -> dict:
+    deadline = time.monotonic() + timeout
+    while (status := job.get_status())["status"] not in statuses:
+        assert time.monotonic() < deadline, f"job stayed {status['status']}: {status}"
+        time.sleep(0.5)
+    return status
+
+
+def test_a_job_runs_on_ray_and_reports_results_events_and_metrics(jobsgw, task_app):
+    job = RLJob(jobsgw.url, jobsgw.admin_key, payload(task_app), idempotency_key="first-job")
+    job_id = job.submit()
+    twin = RLJob(jobsgw.url, jobsgw.admin_key, payload(task_app), idempotency_key="first-job")
+    assert twin.submit() == job_id and twin.job_api_key is None  # the same job; its key is shown once only
+    seen = []
+    final = job.poll_until_complete(timeout=600, interval=0.5, on_status=lambda s: seen.append(s["status"]))
+    assert final["status"] == "succeeded", final
+    assert set(seen) <= {"queued", "running", "succeeded"} and seen[-1] == "succeeded"
+    assert final["started_at"] <= final["finished_at"] and final["progress"]["step"] == 2
+
+    results = job.get_results()
+    assert isinstance(results["final_reward"], float)
+    assert [c["step"] for c in results["checkpoints"]] == [2] and results["model_path"] == results["checkpoints"][0][
+        "path"
+    ]
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(results["model_path"]).num_parameters() > 0
+
+    kinds = [e["type"] for e in job.events()]
+    assert kinds == ["rl.created", "rl.running", "rl.iteration.complete", "rl.iteration.complete", "rl.succeeded"]
+    assert [e["seq"] for e in job.events(since_seq=3)] == [4, 5]
+    assert [m["step"] for m in job.metrics(after_step=1)] == [2]
+
+    # It was a Ray job: Ray's own job API (the dashboard's) knows it by the same id.
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    assert JobSubmissionClient(ray.get_runtime_context().gcs_address).get_job_info(job_id).status == JobStatus.SUCCEEDED
+
+    # The job's own key reaches this job only; the admin key reaches all.
+    own = RLJob.from_job_id(job_id, jobsgw.url, job.job_api_key)
+    assert own.get_status()["status"] == "succeeded"
+    listing = httpx.get(f"{jobsgw.url}/api/rl/jobs", headers={"Authorization": f"Bearer {job.job_api_key}"})
+    assert listing.status_code == 401
+    assert job_id in [j["job_id"] for j in httpx.get(f"{jobsgw.url}/api/rl/jobs", headers=jobsgw.admin).json()]
+
+    # Job state lives on disk: a restarted JobManager answers as before.
+    ray.kill(ray.get_actor("rlgate-jobs", namespace="rlgate"))
+    time.sleep(1)
+    assert job.get_status() == final and len(job.events()) == 5
+
+
+def test_bad_requests_are_refused_with_what_was_wrong(jobsgw, task_app):
+    post = lambda body, **kw: httpx.post(f"{jobsgw.url}/api/rl/jobs", json=body, **kw)  # noqa: E731
+    assert post(payload(task_app)).status_code == 401
+    bad = payload(task_app)
+    bad["data"]["config"]["training"]["batch_size"] = 6  # not a multiple of group_size 4
+    answer = post(bad, headers=jobsgw.admin)
+    assert answer.status_code == 422 and "batch_size (6) must be a multiple of group_size (4)" in answer.text
+    typo = payload(task_app) | {"dat": {}}
+    answer = post(typo, headers=jobsgw.admin)
+    assert answer.status_code == 422 and "dat" in answer.text
+    huge = payload(task_app) | {"compute": {"gpu_type": "H100", "gpu_count": 8}}
+    answer = post(huge, headers=jobsgw.admin)
+    assert answer.status_code == 422 and "the cluster can never run this job" in answer.text and "GPU" in answer.text
+    with pytest.raises(RLGateError) as missing:
+        RLJob.from_job_id("job-nope", jobsgw.url, jobsgw.admin_key).get_status()
+    assert missing.value.status == 404
+
+
+def test_an_unhealthy_task_app_fails_the_job_with_the_reason(jobsgw):
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    job = RLJob(jobsgw.url, jobsgw.admin_key, payload(f"http://127.0.0.1:{port}"))
+    job.submit()
+    final = job.poll_until_complete(timeout=300, interval=0.5)
+    assert final["status"] == "failed"
+    assert "task app check failed: GET" in final["error"] and "/health: unreachable" in final["error"]
+    assert job.events()[-1]["type"] == "rl.failed"
+
+
+def rlgate(gw, *args: str) -> subprocess.CompletedProcess:
+    """The ``rlgate`` command against the test gateway."""
+    command = [sys.executable, "-m", "rlgate.cli", *args, "--backend", gw.url, "--api-key", gw.admin_key]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def test_the_cli_submits_lists_and_explains_errors(jobsgw, task_app, tmp_path):
+    config = tmp_path / "job.toml"
+    config.write_text(
+        '[model]\nname = "tiny-random"\n[rollout]\nmax_model_len = 512\n[training]\nbatch_size = 6\ngroup_size = 4\n'
+    )
+    bad = rlgate(jobsgw, "train", "--config", str(config), "--task-app", task_app)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.splitlines()[0].startswith("rlgate: error: 422: invalid job config")
+    assert "batch_size (6) must be a multiple of group_size (4)" in bad.stderr and "rlgate: hint:" in bad.stderr
+    missing = rlgate(jobsgw, "jobs", "status", "job-nope")
+    assert missing.returncode == 2 and missing.stderr.splitlines() == [
+        "rlgate: error: 404: no job 'job-nope'",
+        "rlgate: hint: `rlgate jobs list` shows the jobs there are",
+    ]
+    started = rlgate(jobsgw, "session", "start", "--task-id", "cli")
+    session = json.loads(started.stdout)
+    assert session["inference_url"].endswith("/v1") and session["api_key"].startswith("rlg-")
+    ended = rlgate(jobsgw, "session", "end", "--key", session["api_key"], "--failed")
+    assert ended.returncode == 0 and json.loads(ended.stdout)["interaction_count"] == 0
+    again = rlgate(jobsgw, "session", "reward", "--key", session["api_key"], "1.0")
+    assert again.returncode == 2 and "410: this session has ended" in again.stderr
+
+
+def test_jobs_queue_beyond_capacity_and_cancel_mid_run(jobsgw, task_app, tmp_path):
+    first = RLJob(jobsgw.url, jobsgw.admin_key, payload(task_app, steps=200))
+    first.submit()
+    config = tmp_path / "long.toml"  # the second through the CLI, in rlgate's own TOML shape
+    config.write_text(
+        '[model]\nname = "tiny-random"\n[rollout]\nmax_model_len = 512\nkv_cache_gib = 0.5\n'
+        '[training]\nbatch_size = 8\ngroup_size = 4\ntotal_steps = 200\n[task]\nenv_name = "math"\n'
+    )
+    submitted = rlgate(jobsgw, "train", "--config", str(config), "--task-app", task_app)
+    assert submitted.returncode == 0, submitted.stderr
+    second_id, second_key = re.match(r"rlgate: job (\S+) submitted; its own key: (\S+)", submitted.stdout).groups()
+    second = RLJob.from_job_id(second_id, jobsgw.url, jobsgw.admin_key)
+    wait_for(first, {"running"})
+    assert second.get_status()["status"] == "queued"  # max_running_jobs = 1
+    listed = rlgate(jobsgw, "jobs", "list").stdout
+    assert re.search(rf"{first.job_id}\s+running", listed) and re.search(rf"{second_id}\s+queued", listed)
+    with pytest.raises(RLGateError) as foreign:  # one job's key does not reach another job
+        RLJob.from_job_id(second.job_id, jobsgw.url, first.job_api_key).cancel()
+    assert foreign.value.status == 403
+    assert first.cancel()["status"] == "cancelled"
+    wait_for(second, {"running"})  # the queue moves on
+    assert RLJob.from_job_id(second_id, jobsgw.url, second_key).cancel()["status"] == "cancelled"
+    for job in (first, second):
+        assert job.events()[-1]["type"] == "rl.cancelled"
+        with pytest.raises(RLGateError) as again:
+            job.cancel()
+        assert again.value.status == 409
+    events = rlgate(jobsgw, "jobs", "events", second_id).stdout.splitlines()
+    assert (events[0].split()[1], events[-1].split()[1]) == ("rl.created", "rl.cancelled")
+    # both drivers stop and take their Serve apps with them
+    from ray import serve
+
+    deadline = time.monotonic() + 180
+    while any(name.startswith("rlgate-job-") for name in serve.status().applications):
+        assert time.monotonic() < deadline, serve.status().applications.keys()
+        time.sleep(1)
