@@ -33,7 +33,7 @@ from rlgate.loop import NAMESPACE, Trainer, collect, normaliser, score
 from rlgate.runlog import RunLog
 from rlgate.sessions import hash_key
 from rlgate.taskapp import API_KEY_ENV, TaskAppClient, TaskAppError
-from rlgate.tasks import Episodes, builtin_episodes, get_task, task_app_episodes
+from rlgate.tasks import Episodes, builtin_episodes, evaluate, get_task, task_app_episodes
 from serve_app import admin_key, build_app, resolve_model
 
 
@@ -129,7 +129,8 @@ def main() -> int:
             log.log(
                 step,
                 summarise(records, metrics, version, buffer, started, synced)
-                | {"collect_s": started - waited, "failed": buffer.counters.failed},
+                | {"collect_s": started - waited, "failed": buffer.counters.failed}
+                | evaluation(config, step, url, key),  # held-out seeds, every [evaluation] every_n_iters
             )
             log.batch(step, [r["seq"] for r in records])
     except KeyboardInterrupt:
@@ -211,6 +212,16 @@ def start_episodes(
     return Episodes.start(
         url, key, groups, run, config.training.group_size, task.max_concurrent, task.down_after_s, stopping
     )
+
+
+def evaluation(config: RLGateConfig, step: int, url: str, key: str) -> dict:
+    """Evaluate the current policy on the held-out seeds when due (task apps only)."""
+    every, seeds = config.evaluation.every_n_iters, config.evaluation.seeds
+    if config.services.task_url is None or not every or not seeds or step % every:
+        return {}
+    app = TaskAppClient(config.services.task_url, os.environ.get(API_KEY_ENV), config.task.rollout_timeout_s)
+    _, run = task_app_episodes(app, config, config.served_model_name, f"{config.gateway.run_name}-eval", mode="eval")
+    return asyncio.run(evaluate(url, key, run, seeds, config.task.max_concurrent))
 
 
 def resume_point(run_dir: Path, resume: bool) -> tuple[int, int, dict | None, Path | None, int]:

@@ -411,7 +411,7 @@ class Gateway:
         else:
             key, refresh = new_session_key(), None
         session_id = await self._call(
-            self.sessions.start.remote(body.task_id, hash_key(key), refresh, body.group_size, body.wait_s)
+            self.sessions.start.remote(body.task_id, hash_key(key), refresh, body.group_size, body.wait_s, body.train)
         )
         inference_url = f"{str(raw.base_url).rstrip('/')}/s/{key}/v1"
         return api.StartSessionResponse(session_id=session_id, api_key=key, inference_url=inference_url)
@@ -419,7 +419,9 @@ class Gateway:
     @app.post("/rl/set_reward", response_model=api.SetRewardResponse)
     async def set_reward(self, body: api.SetRewardRequest, authorization: str | None = Header(None)):
         key_hash = self._session_key(authorization)
-        interaction_id = await self._call(self.sessions.set_reward.remote(key_hash, body.reward, body.interaction_id))
+        interaction_id = await self._call(
+            self.sessions.set_reward.remote(key_hash, body.reward, body.interaction_id, body.turn_rewards)
+        )
         return api.SetRewardResponse(message="reward set", interaction_id=interaction_id)
 
     @app.post("/rl/end_session", response_model=api.EndSessionResponse)

@@ -267,8 +267,8 @@ class JobManager:
         job, metrics = self.jobs[job_id], self._metrics(job_id)
         for line in metrics:
             if line["step"] > self.seen_steps[job_id]:
-                kind, message, data = jobs.iteration_event(line)
-                self._event(job_id, kind, message, data)
+                for kind, message, data in jobs.step_events(line):
+                    self._event(job_id, kind, message, data)
                 self.seen_steps[job_id] = line["step"]
         job.progress = jobs.progress(metrics, job.total_steps)
 

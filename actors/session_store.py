@@ -63,9 +63,10 @@ class SessionStore:
         refresh_key_hash: str | None = None,
         group_size: int | None = None,
         wait_s: float = 0.0,
+        train: bool = True,
     ) -> str:
         self._ensure_sweeper()
-        return await self.manager.start(task_id, key_hash, refresh_key_hash, group_size, wait_s)
+        return await self.manager.start(task_id, key_hash, refresh_key_hash, group_size, wait_s, train)
 
     async def begin(self, key_hash: str, candidate_keys: list[str]) -> tuple[str, Parent | None]:
         self._ensure_sweeper()
@@ -77,8 +78,10 @@ class SessionStore:
     async def abandon(self, session_id: str) -> None:
         self.manager.abandon(session_id)
 
-    async def set_reward(self, key_hash: str, reward: float, interaction_id: str | None) -> str:
-        return self.manager.set_reward(key_hash, reward, interaction_id)
+    async def set_reward(
+        self, key_hash: str, reward: float, interaction_id: str | None, turn_rewards: list[float] | None = None
+    ) -> str:
+        return self.manager.set_reward(key_hash, reward, interaction_id, turn_rewards)
 
     async def end(self, key_hash: str, failed: bool = False) -> int:
         return await self.manager.end(key_hash, failed)

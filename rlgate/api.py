@@ -189,6 +189,10 @@ class StartSessionRequest(BaseModel):
     wait_s: float = Field(
         0.0, ge=0, le=600, description="Wait up to this long for capacity before answering 429 (a long poll)."
     )
+    train: bool = Field(
+        True,
+        description="false: an evaluation session; it takes no capacity slot and nothing of it is saved or trained on.",
+    )
 
 
 class StartSessionResponse(BaseModel):
@@ -204,8 +208,27 @@ class SetRewardRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reward: float
     interaction_id: str | None = Field(None, description="A completion id; default: the latest completion.")
+    turn_rewards: list[float] | None = Field(
+        None,
+        max_length=100_000,
+        description="Per-turn rewards: the i-th goes to the session's i-th completion; ``reward`` then goes to "
+        "the latest completion on top of its turn reward (a task app's event_rewards and outcome_reward).",
+    )
 
     _finite_reward = field_validator("reward")(_finite)
+
+    @field_validator("turn_rewards")
+    @classmethod
+    def _finite_turns(cls, values: list[float] | None) -> list[float] | None:
+        for value in values or []:
+            _finite(value)
+        return values
+
+    @model_validator(mode="after")
+    def _one_target(self) -> SetRewardRequest:
+        if self.turn_rewards is not None and self.interaction_id is not None:
+            raise ValueError("give interaction_id or turn_rewards, not both")
+        return self
 
 
 class SetRewardResponse(BaseModel):

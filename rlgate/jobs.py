@@ -171,10 +171,14 @@ def progress(metrics: list[dict], total_steps: int) -> dict[str, Any]:
     }
 
 
-def iteration_event(metrics: dict) -> tuple[str, str, dict]:
-    """The event one metrics line makes: (type, message, data)."""
-    if "eval_reward_mean" in metrics:
-        kind, what = "rl.evaluation.complete", f"evaluation at step {metrics['step']}"
-        return kind, f"{what}: reward {metrics['eval_reward_mean']:.3f}", metrics
-    message = f"step {metrics['step']}: reward {metrics.get('reward_mean', float('nan')):.3f}"
-    return "rl.iteration.complete", message, metrics
+def step_events(metrics: dict) -> list[tuple[str, str, dict]]:
+    """The events one metrics line makes, as (type, message, data): the step's,
+    then its evaluation's if it had one."""
+    step = metrics["step"]
+    events = [("rl.iteration.complete", f"step {step}: reward {metrics.get('reward_mean', float('nan')):.3f}", metrics)]
+    if "eval_episodes" in metrics:
+        mean = metrics.get("eval_reward_mean")
+        result = f"reward {mean:.3f}" if mean is not None else "every episode failed"
+        summary = {k: v for k, v in metrics.items() if k == "step" or k.startswith("eval_")}
+        events.append(("rl.evaluation.complete", f"evaluation after step {step}: {result}", summary))
+    return events

@@ -58,6 +58,7 @@ class Session:
     ending: bool = False
     group_size: int | None = None  # set per session at start; the trainer's default otherwise
     requests: list[float] = field(default_factory=list)  # start times of requests in flight
+    train: bool = True  # False: an evaluation session, never saved or trained on
 
     def busy(self, now: float) -> bool:
         return any(now - started < MAX_REQUEST_S for started in self.requests)
@@ -102,6 +103,7 @@ class SessionManager:
             "refreshed": 0,
             "rejected": 0,
             "exported": 0,
+            "evaluated": 0,
         }
 
     # --- lifecycle ----------------------------------------------------------
@@ -113,11 +115,18 @@ class SessionManager:
         refresh_key_hash: str | None = None,
         group_size: int | None = None,
         wait_s: float = 0.0,
+        train: bool = True,
     ) -> str:
         """Start a session under ``key_hash``; with ``refresh_key_hash`` (the same
         key) end that key's live session first. ``group_size`` overrides the
         trainer's group size for this session's task; ``wait_s`` is how long a
-        new session may wait for capacity. Returns the session id."""
+        new session may wait for capacity. ``train=False`` starts an evaluation
+        session: it takes no capacity slot and nothing of it is saved or
+        trained on. Returns the session id."""
+        if not train:
+            if refresh_key_hash is not None:
+                raise SessionError(400, "an evaluation session (train: false) starts with a new key, not a refresh")
+            return self._open(task_id, key_hash, group_size, train=False)
         if refresh_key_hash is None:
             if not await self.capacity.acquire(wait_s, task_id, group_size):
                 self.counters["rejected"] += 1
@@ -148,10 +157,12 @@ class SessionManager:
         finally:
             self._refreshing.discard(refresh_key_hash)
 
-    def _open(self, task_id: str, key_hash: str, group_size: int | None = None) -> str:
+    def _open(self, task_id: str, key_hash: str, group_size: int | None = None, train: bool = True) -> str:
         session_id = "sess-" + secrets.token_hex(12)
         trajectory = SessionTrajectory(session_id, task_id)
-        self.sessions[session_id] = Session(session_id, task_id, key_hash, trajectory, group_size=group_size)
+        self.sessions[session_id] = Session(
+            session_id, task_id, key_hash, trajectory, group_size=group_size, train=train
+        )
         self._by_key[key_hash] = session_id
         self.counters["started"] += 1
         return session_id
@@ -177,7 +188,9 @@ class SessionManager:
         session.ending = True
         self._closing.add(session.key_hash)
         extra = {"end_reason": reason} | ({"group_size": session.group_size} if session.group_size else {})
-        if reason == "failed":
+        if not session.train:
+            samples = []
+        elif reason == "failed":
             samples = [session.trajectory.failure(self.export_style)]
         else:
             samples = session.trajectory.export(self.export_style, self.turn_discount)
@@ -196,7 +209,9 @@ class SessionManager:
         self.counters["exported"] += len(records)
         self.counters["ended"] += 1
         self.counters["failed"] += reason == "failed"
-        await self.capacity.release(accepted=bool(records))
+        self.counters["evaluated"] += not session.train
+        if session.train:
+            await self.capacity.release(accepted=bool(records))
 
     async def expire_idle(self) -> int:
         """End every session idle past the timeout; return how many."""
@@ -260,9 +275,13 @@ class SessionManager:
                 session.requests.pop(0)
             session.last_active = time.monotonic()
 
-    def set_reward(self, key_hash: str, reward: float, interaction_id: str | None) -> str:
+    def set_reward(
+        self, key_hash: str, reward: float, interaction_id: str | None, turn_rewards: list[float] | None = None
+    ) -> str:
         session = self._live(key_hash)
         try:
+            if turn_rewards is not None:
+                return session.trajectory.set_turn_rewards(turn_rewards, reward)
             return session.trajectory.set_reward(reward, interaction_id)
         except LookupError as err:
             raise SessionError(404 if interaction_id else 409, str(err)) from None

@@ -86,7 +86,7 @@ async def play(
     url: str,
     admin_key: str,
     groups: Iterator[tuple[str, Any]],
-    run: Callable[[dict, Any], Awaitable[float]],
+    run: Callable[[dict, Any], Awaitable[float | tuple[float, list[float]]]],
     group_size: int,
     concurrency: int,
     stop: threading.Event,
@@ -96,7 +96,7 @@ async def play(
     """Play episodes until ``stop`` is set, a group of ``group_size`` sessions per
     item of ``groups`` (``(task_id, problem)``). Each episode: start a session
     (long-polling for capacity), ``reward = await run(session, problem)`` with the
-    ``start_session`` answer, set the reward, end the session. An episode that
+    ``start_session`` answer (a reward, or ``(reward, turn_rewards)``), set it, end the session. An episode that
     raises is ended as failed and costs that episode only; when every episode
     for ``down_after_s`` seconds has failed, the player sets ``stats.fatal`` and stops."""
     import httpx
@@ -120,7 +120,12 @@ async def play(
             auth = {"Authorization": f"Bearer {session['api_key']}"}
             try:
                 reward = await run(session, problem)
-                answer = await http.post(f"{url}/rl/set_reward", json={"reward": reward}, headers=auth)
+                body = (
+                    {"reward": reward[0], "turn_rewards": reward[1]}
+                    if isinstance(reward, tuple)
+                    else {"reward": reward}
+                )
+                answer = await http.post(f"{url}/rl/set_reward", json=body, headers=auth)
                 if answer.status_code != 200:
                     raise RuntimeError(f"set_reward: {answer.status_code} {answer.text[:200]}")
             except Exception as err:
@@ -186,11 +191,13 @@ def builtin_episodes(
 
 
 def task_app_episodes(
-    app, config, model: str, run_id: str
-) -> tuple[Iterator[tuple[str, int]], Callable[[dict, int], Awaitable[float]]]:
+    app, config, model: str, run_id: str, mode: str = "rl"
+) -> tuple[Iterator[tuple[str, int]], Callable[[dict, int], Awaitable[float | tuple[float, list[float]]]]]:
     """``(groups, run)`` for :func:`play` against a task app (``rlgate.taskapp.TaskAppClient``):
     a group per seed (``[task] seeds`` in turn, or 0, 1, 2, ...); each episode is one
-    ``POST /rollout`` whose policy is the session's scoped inference URL."""
+    ``POST /rollout`` whose policy is the session's scoped inference URL. Its
+    ``metrics.outcome_reward`` is the reward; ``metrics.event_rewards``, when
+    given, are per-turn rewards on the session's completions in order."""
     from rlgate.taskapp import EnvSpec, PolicySpec, RolloutRequest, TaskAppError
 
     task = config.task
@@ -206,7 +213,7 @@ def task_app_episodes(
             run_id=f"{run_id}-{session['session_id']}",
             env=EnvSpec(env_name=task.env_name, config={"max_turns": task.max_turns, **task.env_config}, seed=seed),
             policy=PolicySpec(policy_name=task.policy_name, config=policy),
-            mode="rl",
+            mode=mode,
             record={"trajectories": True},
             training_session_id=session["session_id"],
         )
@@ -214,9 +221,44 @@ def task_app_episodes(
         reward = response.metrics.reward()
         if reward is None:
             raise TaskAppError("POST /rollout: metrics carry no outcome_reward")
-        return reward
+        events = response.metrics.event_rewards
+        return (reward, events) if events else reward
 
     return groups(), run
+
+
+async def evaluate(
+    url: str, admin_key: str, run: Callable[[dict, int], Awaitable[float]], seeds: list[int], concurrency: int
+) -> dict:
+    """One episode per held-out seed, in evaluation sessions (never trained on);
+    the mean reward over the episodes that did not fail."""
+    import httpx
+
+    slots = asyncio.Semaphore(concurrency)
+    admin = {"Authorization": f"Bearer {admin_key}"}
+
+    async def one(http: httpx.AsyncClient, seed: int) -> float | None:
+        async with slots:
+            body = {"task_id": f"eval-seed-{seed}", "train": False}
+            session = (await http.post(f"{url}/rl/start_session", json=body, headers=admin)).raise_for_status().json()
+            auth = {"Authorization": f"Bearer {session['api_key']}"}
+            try:
+                reward = await run(session, seed)
+                return reward[0] if isinstance(reward, tuple) else reward  # the outcome, not per-turn rewards
+            except Exception as err:
+                logger.warning("evaluation episode (seed %d) failed: %s", seed, err)
+                return None
+            finally:
+                await http.post(f"{url}/rl/end_session", headers=auth)
+
+    async with httpx.AsyncClient(timeout=600) as http:
+        rewards = await asyncio.gather(*(one(http, seed) for seed in seeds))
+    done = [r for r in rewards if r is not None]
+    return {
+        "eval_reward_mean": sum(done) / len(done) if done else None,
+        "eval_episodes": len(done),
+        "eval_failed": len(rewards) - len(done),
+    }
 
 
 class Episodes:

@@ -123,6 +123,19 @@ class SessionTrajectory:
         self.interactions[interaction_id].reward = float(reward)
         return interaction_id
 
+    def set_turn_rewards(self, turn_rewards: list[float], final: float) -> str:
+        """The i-th reward on the i-th completion (creation order), then ``final``
+        added to the latest; returns the latest's id."""
+        if len(turn_rewards) > len(self.interactions):
+            raise LookupError(f"{len(turn_rewards)} turn rewards for {len(self.interactions)} completions")
+        if not self.interactions:
+            raise LookupError("this session has no completions to reward yet")
+        for interaction, reward in zip(self.interactions.values(), turn_rewards):
+            interaction.reward = float(reward)
+        latest = self.interactions[next(reversed(self.interactions))]
+        latest.reward = (latest.reward if len(turn_rewards) == len(self.interactions) else 0.0) + float(final)
+        return latest.id
+
     def children(self) -> dict[str | None, list[str]]:
         tree: dict[str | None, list[str]] = {}
         for interaction in self.interactions.values():

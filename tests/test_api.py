@@ -122,3 +122,11 @@ def test_set_reward_refuses_non_finite():
         SetRewardRequest.model_validate_json('{"reward": NaN}')
     with pytest.raises(ValidationError):
         SetRewardRequest(reward=1.0, extra=1)
+
+
+def test_turn_rewards_are_finite_and_exclusive_with_an_interaction_id():
+    assert SetRewardRequest(reward=1, turn_rewards=[0.1, 0]).turn_rewards == [0.1, 0.0]
+    with pytest.raises(ValidationError, match="finite"):
+        SetRewardRequest(reward=1, turn_rewards=[0.1, float("nan")])
+    with pytest.raises(ValidationError, match="not both"):
+        SetRewardRequest(reward=1, turn_rewards=[0.1], interaction_id="chatcmpl-1")

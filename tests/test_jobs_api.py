@@ -38,9 +38,19 @@ def jobsgw(ray_session, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def task_app():
-    from examples.math_task_app import app
+    """examples/math_task_app.py, except that every sixth rollout crashes."""
+    from examples.math_task_app import rollout
+    from rlgate.taskapp import create_task_app
 
-    with serve_asgi(app) as url:
+    calls = [0]
+
+    async def flaky(episode):
+        calls[0] += 1
+        if calls[0] % 6 == 0:
+            raise RuntimeError("the simulator fell over")
+        return await rollout(episode)
+
+    with serve_asgi(create_task_app("math", flaky, api_key="")) as url:
         yield url
 
 
@@ -52,6 +62,7 @@ def payload(task_url: str, steps: int = 2, **training) -> dict:
         "rollout": {"env_name": "math", "max_concurrent_rollouts": 8},
         "training": {"batch_size": 8, "group_size": 4, "learning_rate": 1e-3, "iterations_per_epoch": steps} | training,
         "vllm": {"max_model_len": 512},
+        "evaluation": {"every_n_iters": 2, "seeds": [900, 901, 902], "instances": 3},
     }
     return {
         "job_type": "rl",
@@ -79,6 +90,7 @@ def test_a_job_runs_on_ray_and_reports_results_events_and_metrics(jobsgw, task_a
     assert final["status"] == "succeeded", final
     assert set(seen) <= {"queued", "running", "succeeded"} and seen[-1] == "succeeded"
     assert final["started_at"] <= final["finished_at"] and final["progress"]["step"] == 2
+    assert final["progress"]["failed_episodes"] > 0  # crashed rollouts cost only themselves
 
     results = job.get_results()
     assert isinstance(results["final_reward"], float)
@@ -89,9 +101,18 @@ def test_a_job_runs_on_ray_and_reports_results_events_and_metrics(jobsgw, task_a
 
     assert AutoModelForCausalLM.from_pretrained(results["model_path"]).num_parameters() > 0
 
-    kinds = [e["type"] for e in job.events()]
-    assert kinds == ["rl.created", "rl.running", "rl.iteration.complete", "rl.iteration.complete", "rl.succeeded"]
-    assert [e["seq"] for e in job.events(since_seq=3)] == [4, 5]
+    events = job.events()
+    assert [e["type"] for e in events] == [
+        "rl.created",
+        "rl.running",
+        "rl.iteration.complete",
+        "rl.iteration.complete",
+        "rl.evaluation.complete",  # every 2 steps, on the 3 held-out seeds
+        "rl.succeeded",
+    ]
+    evaluated = events[4]["data"]
+    assert evaluated["step"] == 2 and evaluated["eval_episodes"] + evaluated["eval_failed"] == 3
+    assert [e["seq"] for e in job.events(since_seq=4)] == [5, 6]
     assert [m["step"] for m in job.metrics(after_step=1)] == [2]
 
     # It was a Ray job: Ray's own job API (the dashboard's) knows it by the same id.
@@ -109,7 +130,7 @@ def test_a_job_runs_on_ray_and_reports_results_events_and_metrics(jobsgw, task_a
     # Job state lives on disk: a restarted JobManager answers as before.
     ray.kill(ray.get_actor("rlgate-jobs", namespace="rlgate"))
     time.sleep(1)
-    assert job.get_status() == final and len(job.events()) == 5
+    assert job.get_status() == final and len(job.events()) == 6
 
 
 def test_bad_requests_are_refused_with_what_was_wrong(jobsgw, task_app):

@@ -182,6 +182,36 @@ async def test_a_failed_session_is_saved_as_one_marker_with_no_tokens():
     assert [r["failed"] for r in persist.records] == [True, True] and capacity.releases == [True, True]
 
 
+async def test_an_evaluation_session_takes_no_slot_and_saves_nothing():
+    m, capacity, persist = make_manager(slots=1)
+    await m.start("task", "busy")  # the only slot is taken
+    sid = await m.start("eval-seed-3", "k", train=False)
+    m.record(sid, [turn("i1")])
+    m.set_reward("k", 1.0, None)
+    assert await m.end("k") == 1
+    assert persist.records == [] and capacity.releases == [] and m.counters["evaluated"] == 1
+    await expect_error(400, lambda: m.start("task", "k", refresh_key_hash="k", train=False), match="new key")
+
+
+async def test_turn_rewards_go_to_completions_in_order_and_the_outcome_to_the_latest():
+    m, _, persist = make_manager(export_style="individual")
+    sid = await m.start("task", "k")
+    m.record(sid, [turn("i1", key="x1"), turn("i2", parent="i1", prompt=(1, 2, 3, 4), key="x2"), turn("i3")])
+    assert m.set_reward("k", 1.0, None, turn_rewards=[0.1, 0.2]) == "i3"
+    await expect_error(409, lambda: m.set_reward("k", 1.0, None, turn_rewards=[0.0] * 4), match="4 turn rewards")
+    await m.end("k")
+    assert {r["interaction_ids"][0]: r["rewards"][0] for r in persist.records} == {
+        "i1": pytest.approx(0.1 + 0.2),  # its own plus its child's (turn_discount 1)
+        "i2": pytest.approx(0.2),
+        "i3": 1.0,
+    }
+    sid = await m.start("task", "k2")
+    m.record(sid, [turn("j1"), turn("j2")])
+    m.set_reward("k2", 0.5, None, turn_rewards=[0.1, 0.2])  # a turn reward for every completion: both on the latest
+    await m.end("k2")
+    assert [r["rewards"][0] for r in persist.records[3:]] == [pytest.approx(0.1), pytest.approx(0.7)]
+
+
 async def test_end_then_410_for_that_key():
     m, capacity, persist = make_manager()
     sid = await m.start("task", "k")
@@ -337,6 +367,7 @@ async def test_stats_counters():
         "refreshed": 1,
         "rejected": 1,
         "exported": 2,
+        "evaluated": 0,
     }
 
 
