@@ -225,11 +225,21 @@ class JobManager:
                 metadata={"rlgate_job": job.job_id},
             )
         except Exception as err:  # e.g. "no available agent" while the cluster starts: retry for a minute
+            if await self._known_to_ray(job.job_id):  # submitted before a restart cut us short
+                (self._folder(job.job_id) / "submitted").touch()
+                return
             tries = self.submit_failures[job.job_id] = self.submit_failures.get(job.job_id, 0) + 1
             if tries >= 60:
                 self._finish(job.job_id, "failed", f"Ray's job API refused the job {tries} times: {err}")
             return
         (self._folder(job.job_id) / "submitted").touch()
+
+    async def _known_to_ray(self, job_id: str) -> bool:
+        try:
+            await asyncio.to_thread(self.client.get_job_info, job_id)
+        except Exception:  # no such job (or the job API is still starting)
+            return False
+        return True
 
     def _metrics(self, job_id: str) -> list[dict]:
         path = self._run_dir(job_id) / "metrics.jsonl"

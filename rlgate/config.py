@@ -207,6 +207,7 @@ class TaskConfig(_Section):
     policy_name: str | None = Field(None, description="Policy name passed to the task app.")
     env_config: dict = Field(default_factory=dict, description="Passed to the task app as env.config.")
     policy_config: dict = Field(default_factory=dict, description="Passed to the task app as policy.config.")
+    ops: list[str | dict] = Field(default_factory=list, description="Passed to the task app as the rollout's ops.")
     max_turns: int = Field(
         10, ge=1, le=10_000, description="Most turns per episode; a task app gets it as env.config.max_turns."
     )

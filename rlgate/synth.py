@@ -8,11 +8,14 @@ stated reason, or refused by name: nothing is dropped silently.
     [algorithm] type = "online", method = "policy_gradient", variety -> [algorithm] variety
     [model] base -> [model] name; label -> [gateway] served_model_name; trainer_mode = "full"
     [services] task_url -> [services] task_url
-    [rollout] env_name, policy_name, env_config, policy_config, max_turns,
+    [rollout] env_name, policy_name, env_config, policy_config, max_turns, ops,
               max_concurrent_rollouts -> [task]; episodes_per_batch -> [training] batch_size
     [training] batch_size, group_size, learning_rate; gradient_accumulation_steps -> grad_accumulation;
                num_epochs x iterations_per_epoch -> total_steps; max_turns -> [task] max_turns
-    [compute] gpu_type ("cpu": no GPUs), gpu_count; [topology] gpus_for_vllm, gpus_for_training
+    [training] weight_sync (enable, mode "full"), weight_sync_verify_checksums: accepted
+    [compute] gpu_type ("cpu": no GPUs), gpu_count; [topology] gpus_for_vllm, gpus_for_training,
+              tensor_parallel -> [rollout] tensor_parallel_size, gpus_for_ref = 0
+    [reference] placement = "none"; [judge], [verifier], [rubric] (enabled) are refused
     [vllm] max_model_len, gpu_memory_utilization, tensor_parallel_size -> [rollout]
     [evaluation] every_n_iters, seeds -> [evaluation]; instances = number of seeds
     [tags] -> tags
@@ -92,6 +95,7 @@ def from_synth(data: dict, source: str = "config") -> dict:
     for key in ("env_name", "policy_name", "env_config", "policy_config", "max_turns"):
         m.put("task", key, m.get("rollout", key))
     m.put("task", "max_concurrent", m.get("rollout", "max_concurrent_rollouts"))
+    m.put("task", "ops", m.get("rollout", "ops"))
     episodes = m.get("rollout", "episodes_per_batch")
     if m.get("rollout", "batches_per_step", 1) not in (None, 1):
         m.refuse("rollout.batches_per_step", "one batch per step is supported")
@@ -110,9 +114,15 @@ def from_synth(data: dict, source: str = "config") -> dict:
     m.get("training", "max_accumulated_minibatch")  # accepted: micro-batches follow grad_accumulation
     if m.get("training", "weight_sync_interval", 1) not in (None, 1):
         m.refuse("training.weight_sync_interval", "weights are pushed after every step (1)")
-    for key in ("lora", "rewards", "weight_sync", "step_rewards_enabled"):
+    for key in ("lora", "rewards", "step_rewards_enabled"):
         if m.get("training", key):
             m.refuse(f"training.{key}", "not supported; remove it")
+    sync = m.get("training", "weight_sync") or {}
+    if sync.get("enable") is False:
+        m.refuse("training.weight_sync.enable", "weights are always pushed to the engines after each step")
+    if sync.get("mode", "full") != "full":
+        m.refuse("training.weight_sync.mode", "only full weights are pushed ('full')")
+    m.get("training", "weight_sync_verify_checksums")  # accepted: every push is exact (see README: weight sync)
     for key in (
         "step_rewards_mode",
         "step_rewards_indicator_lambda",
@@ -144,10 +154,14 @@ def from_synth(data: dict, source: str = "config") -> dict:
         if data.get(section, {}).get("enabled"):
             m.refuse(f"{section}.enabled", "LLM verifiers are not supported; the task app returns rewards")
         m.used.update(f"{section}.{key}" for key in data.get(section, {}))
-    for section in ("lora", "reference"):
-        if data.get(section):
-            m.refuse(section, "not supported; remove it")
-        m.used.update(f"{section}.{key}" for key in data.get(section, {}))
+    if data.get("lora"):
+        m.refuse("lora", "not supported; remove it")
+    m.used.update(f"lora.{key}" for key in data.get("lora", {}))
+    if data.get("reference", {}).get("placement", "none") != "none":
+        m.refuse("reference.placement", "a reference model runs in the trainer ([algorithm] kl_coef); use 'none'")
+    m.used.update(f"reference.{key}" for key in data.get("reference", {}))
+    if data.get("judge"):
+        m.refuse("judge", "LLM judges are not supported; the task app returns rewards")
     leftover = m.unused()
     if leftover:
         m.refuse(
@@ -165,6 +179,9 @@ def _map_compute(m: _Mapper) -> None:
     for_training = m.get("topology", "gpus_for_training")
     m.get("topology", "type")
     m.get("topology", "reference_placement")
+    if m.get("topology", "gpus_for_ref", 0):
+        m.refuse("topology.gpus_for_ref", "a reference model runs in the trainer, on its GPUs; set 0")
+    m.put("rollout", "tensor_parallel_size", m.get("topology", "tensor_parallel"))
     if gpu_type is not None and str(gpu_type).lower() == "cpu" or gpus == 0:
         m.put("compute", "gpus_per_worker", 0)  # CPU workers and CPU rollout replicas
         return

@@ -214,6 +214,7 @@ def task_app_episodes(
             env=EnvSpec(env_name=task.env_name, config={"max_turns": task.max_turns, **task.env_config}, seed=seed),
             policy=PolicySpec(policy_name=task.policy_name, config=policy),
             mode=mode,
+            ops=task.ops,
             record={"trajectories": True},
             training_session_id=session["session_id"],
         )

@@ -111,6 +111,64 @@ def test_what_cannot_be_honoured_is_refused_by_name(change, message):
         parse_config(with_(**change))
 
 
+def test_synth_ai_documented_example_is_accepted_whole():
+    """Every section of synth-ai's documented RL config, with the values it shows."""
+    example = {
+        "algorithm": {"type": "online", "method": "policy_gradient", "variety": "gspo"},
+        "model": {"base": "Qwen/Qwen3-1.7B", "trainer_mode": "full", "label": "test"},
+        "compute": {"gpu_type": "H100", "gpu_count": 2},
+        "topology": {
+            "type": "single_node_split",
+            "gpus_for_vllm": 1,
+            "gpus_for_training": 1,
+            "gpus_for_ref": 0,
+            "tensor_parallel": 1,
+        },
+        "rollout": {
+            "env_name": "math",
+            "policy_name": "math",
+            "max_turns": 1,
+            "episodes_per_batch": 2,
+            "max_concurrent_rollouts": 2,
+            "batches_per_step": 1,
+            "ops": ["agent", "env"],
+            "policy_config": {"max_llm_calls": 10, "max_tokens": 512, "temperature": 0.2, "top_p": 0.95},
+        },
+        "vllm": {"tensor_parallel_size": 1, "max_model_len": 4096},
+        "reference": {"placement": "none"},
+        "training": {
+            "num_epochs": 1,
+            "iterations_per_epoch": 1,
+            "gradient_accumulation_steps": 1,
+            "max_accumulated_minibatch": 1,
+            "max_turns": 1,
+            "batch_size": 2,
+            "group_size": 2,
+            "learning_rate": 5e-6,
+            "log_interval": 1,
+            "weight_sync_interval": 1,
+            "weight_sync_verify_checksums": False,
+            "weight_sync": {
+                "enable": True,
+                "targets": ["policy"],
+                "mode": "full",
+                "direct": True,
+                "verify_every_k": 0,
+                "chunk_bytes": 0,
+            },
+        },
+        "evaluation": {"instances": 2, "every_n_iters": 1, "seeds": [0, 1]},
+        "tags": {"experiment": "my-experiment", "version": "v1"},
+    }
+    config = parse_config(example)
+    assert config.task.ops == ["agent", "env"] and config.task.policy_config["temperature"] == 0.2
+    assert (config.rollout.replicas, config.compute.trainer_workers, config.compute.gpus_per_worker) == (1, 1, 1)
+    with pytest.raises(ConfigError, match="topology.gpus_for_ref"):
+        parse_config({**example, "topology": {**example["topology"], "gpus_for_ref": 1}})
+    with pytest.raises(ConfigError, match="judge: LLM judges are not supported"):
+        parse_config({**example, "judge": {"type": "llm"}})
+
+
 def test_native_configs_are_not_mistaken_for_synth():
     assert not is_synth_shape({"model": {"name": "tiny-random"}, "training": {"batch_size": 8}})
     assert is_synth_shape({"model": {"base": "x"}})
