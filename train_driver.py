@@ -61,8 +61,8 @@ def main() -> int:
         config.model.name = str(weights)
 
     task_app = check_task_app(config)  # before anything starts: a bad task app fails the run at once
-    signal.signal(signal.SIGTERM, interrupted)  # `ray job stop` and cancelled RL jobs stop as Ctrl-C does
     ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE)
+    signal.signal(signal.SIGTERM, interrupted)  # after ray.init, which sets its own: `ray job stop` acts as Ctrl-C
     run = f"rlgate-{config.gateway.run_name}"
     if not args.resume:
         forget_earlier_run(run)

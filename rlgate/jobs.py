@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlgate.config import ConfigError, RLGateConfig, parse_config
+from rlgate.synth import from_synth, is_synth_shape
 
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -120,7 +121,11 @@ def job_config(request: JobRequest) -> RLGateConfig:
         raw = request.config if request.config is not None else (data.config or {})
     raw = {section: dict(body) if isinstance(body, dict) else body for section, body in raw.items()}
     if request.compute:  # synth-ai sends [compute] beside the config; it wins over the config's own
-        raw["compute"] = {**raw.get("compute", {}), **request.compute}
+        if is_synth_shape(raw):
+            raw["compute"] = {**raw.get("compute", {}), **request.compute}
+        else:  # our own config: gpu_type / gpu_count become replicas, workers and GPUs as synth-ai's would
+            for section, values in from_synth({"compute": request.compute}, "compute").items():
+                raw[section] = {**raw.get(section, {}), **values}
     source = "data.config" if request.data is not None else "config"
     config = parse_config(raw, source=source)
     model = data.model or data.base_model

@@ -33,6 +33,16 @@ def test_synth_ai_payload_maps_onto_a_config():
     assert config.task.env_name == "math" and config.task.max_concurrent == 4
 
 
+def test_synth_compute_beside_a_native_config_maps_to_workers_and_gpus():
+    native = {"model": {"name": "tiny-random"}, "task": {"builtin": "vowels"}}
+    cpu = jobs.job_config(jobs.JobRequest(config=native, compute={"gpu_type": "cpu", "gpu_count": 0}))
+    assert cpu.compute.gpus_per_worker == 0
+    gpus = jobs.job_config(jobs.JobRequest(config=native, compute={"gpu_type": "H100", "gpu_count": 4}))
+    assert (gpus.rollout.num_gpus, gpus.compute.trainer_workers, gpus.compute.gpus_per_worker) == (1, 3, 1)
+    with pytest.raises(ConfigError, match="compute.gpu_kind: unknown key"):
+        jobs.job_config(jobs.JobRequest(config=native, compute={"gpu_kind": "H100"}))
+
+
 def test_native_payloads_toml_or_json():
     toml = '[model]\nname = "tiny-random"\n[task]\nbuiltin = "vowels"\n[training]\ntotal_steps = 2\n'
     config = jobs.job_config(jobs.JobRequest(config_toml=toml))

@@ -80,7 +80,7 @@ def wait_for(job: RLJob, statuses: set[str], timeout: float = 300) -> dict:
     return status
 
 
-def test_a_job_runs_on_ray_and_reports_results_events_and_metrics(jobsgw, task_app):
+def test_a_job_runs_on_ray_and_reports_results_events_and_metrics(jobsgw, task_app, tmp_path):
     job = RLJob(jobsgw.url, jobsgw.admin_key, payload(task_app), idempotency_key="first-job")
     job_id = job.submit()
     twin = RLJob(jobsgw.url, jobsgw.admin_key, payload(task_app), idempotency_key="first-job")
@@ -126,6 +126,17 @@ def test_a_job_runs_on_ray_and_reports_results_events_and_metrics(jobsgw, task_a
     listing = httpx.get(f"{jobsgw.url}/api/rl/jobs", headers={"Authorization": f"Bearer {job.job_api_key}"})
     assert listing.status_code == 401
     assert job_id in [j["job_id"] for j in httpx.get(f"{jobsgw.url}/api/rl/jobs", headers=jobsgw.admin).json()]
+
+    # The CLI: the same idempotency key finds the finished job; --poll reports how it ended.
+    toml = tmp_path / "same.toml"
+    toml.write_text('[model]\nname = "tiny-random"\n[task]\nenv_name = "math"\n')
+    polled = rlgate(
+        jobsgw, "train", "--config", str(toml), "--task-app", task_app, "--idempotency-key", "first-job", "--poll"
+    )
+    assert polled.returncode == 0, polled.stderr
+    assert f"rlgate: job {job_id} submitted" in polled.stdout and f"rlgate: job {job_id} succeeded" in polled.stdout
+    shown = json.loads(rlgate(jobsgw, "jobs", "status", job_id).stdout)
+    assert shown["results"] == results
 
     # Job state lives on disk: a restarted JobManager answers as before.
     ray.kill(ray.get_actor("rlgate-jobs", namespace="rlgate"))
