@@ -3,8 +3,8 @@
     python serve_app.py --config configs/serve.toml [--host 127.0.0.1] [--port 8000]
     serve run serve_app:app                  # config from $RLGATE_CONFIG or configs/serve.toml
 
-The admin key comes from ``RLGATE_ADMIN_KEY``; without it a random key is
-generated and printed once. A weak key is refused off loopback.
+The admin key comes from ``RLGATE_ADMIN_KEY`` (or the file ``RLGATE_ADMIN_KEY_FILE``
+names); without it a random key is generated and printed once. A weak key is refused off loopback.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ def is_loopback(host: str) -> bool:
 def admin_key(host: str) -> tuple[str, bool]:
     """The admin key and whether it was generated. Refuses a weak key off loopback."""
     key = os.environ.get("RLGATE_ADMIN_KEY")
+    if not key and os.environ.get("RLGATE_ADMIN_KEY_FILE"):  # how RL jobs get theirs (env vars are visible in Ray)
+        key = Path(os.environ["RLGATE_ADMIN_KEY_FILE"]).read_text().strip()
     if not key:
         return "rlg-admin-" + secrets.token_urlsafe(24), True
     if not is_loopback(host) and (key in KNOWN_WEAK_KEYS or len(key) < MIN_KEY_LENGTH):

@@ -32,7 +32,7 @@ from rlgate.config import ConfigError, RLGateConfig, dump_config, load_config
 from rlgate.loop import NAMESPACE, Trainer, collect, normaliser, score
 from rlgate.runlog import RunLog
 from rlgate.sessions import hash_key
-from rlgate.taskapp import API_KEY_ENV, TaskAppClient, TaskAppError
+from rlgate.taskapp import TaskAppClient, TaskAppError, environment_key
 from rlgate.tasks import Episodes, builtin_episodes, evaluate, get_task, task_app_episodes
 from serve_app import admin_key, build_app, resolve_model
 
@@ -185,7 +185,7 @@ def check_task_app(config: RLGateConfig) -> TaskAppClient | None:
     """The configured task app, once its /health and /task_info answer."""
     if config.services.task_url is None:
         return None
-    app = TaskAppClient(config.services.task_url, os.environ.get(API_KEY_ENV), config.task.rollout_timeout_s)
+    app = TaskAppClient(config.services.task_url, environment_key(), config.task.rollout_timeout_s)
     try:
         info = asyncio.run(app.check())
     except TaskAppError as err:
@@ -219,9 +219,13 @@ def evaluation(config: RLGateConfig, step: int, url: str, key: str) -> dict:
     every, seeds = config.evaluation.every_n_iters, config.evaluation.seeds
     if config.services.task_url is None or not every or not seeds or step % every:
         return {}
-    app = TaskAppClient(config.services.task_url, os.environ.get(API_KEY_ENV), config.task.rollout_timeout_s)
+    app = TaskAppClient(config.services.task_url, environment_key(), config.task.rollout_timeout_s)
     _, run = task_app_episodes(app, config, config.served_model_name, f"{config.gateway.run_name}-eval", mode="eval")
-    return asyncio.run(evaluate(url, key, run, seeds, config.task.max_concurrent))
+    try:
+        return asyncio.run(evaluate(url, key, run, seeds, config.task.max_concurrent))
+    except Exception as err:  # an evaluation costs its figures, never the run
+        print(f"rlgate: evaluation after step {step} failed: {err}", file=sys.stderr)
+        return {"eval_reward_mean": None, "eval_episodes": 0, "eval_failed": len(seeds)}
 
 
 def resume_point(run_dir: Path, resume: bool) -> tuple[int, int, dict | None, Path | None, int]:

@@ -413,7 +413,8 @@ class Gateway:
         session_id = await self._call(
             self.sessions.start.remote(body.task_id, hash_key(key), refresh, body.group_size, body.wait_s, body.train)
         )
-        inference_url = f"{str(raw.base_url).rstrip('/')}/s/{key}/v1"
+        base = self.settings.gateway.public_url or str(raw.base_url)
+        inference_url = f"{base.rstrip('/')}/s/{key}/v1"
         return api.StartSessionResponse(session_id=session_id, api_key=key, inference_url=inference_url)
 
     @app.post("/rl/set_reward", response_model=api.SetRewardResponse)
@@ -459,12 +460,17 @@ class Gateway:
             self._job_manager = get_or_create_job_manager(jobs_dir, where, gateway.max_running_jobs)
         return self._job_manager
 
-    async def _jobs(self, method: str, *args):
-        """Call the JobManager; one that died is replaced (it reloads every job from disk) and asked again."""
+    async def _jobs(self, method: str, *args, retry: bool = True):
+        """Call the JobManager; one that died is replaced (it reloads every job from disk) and,
+        when ``retry``, asked again."""
+        if self.settings.gateway.route_prefix != "/":
+            raise HTTPError(404, "RL jobs are served by the cluster's main gateway, not by a run's own")
         try:
             return await self._call(getattr(self.job_manager, method).remote(*args))
         except _ServiceDown:
             self._job_manager = None
+            if not retry:
+                raise
             return await self._call(getattr(self.job_manager, method).remote(*args))
 
     def _job_caller(self, authorization: str | None) -> str | None:
@@ -480,7 +486,10 @@ class Gateway:
         idempotency_key: str | None = Header(None, max_length=256),
     ):
         self._admin(authorization)
-        return await self._jobs("submit", body.model_dump(exclude_unset=True), idempotency_key)
+        # a submission without an idempotency key is not retried: it might have been made
+        return await self._jobs(
+            "submit", body.model_dump(exclude_unset=True), idempotency_key, retry=bool(idempotency_key)
+        )
 
     @app.get("/api/rl/jobs", response_model=list[jobs.Job])
     async def list_jobs(self, authorization: str | None = Header(None)):

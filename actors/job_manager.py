@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import secrets
 import shlex
 import sys
@@ -45,6 +46,7 @@ class JobManager:
         self.events: dict[str, list[jobs.Event]] = {}
         self.seen_steps: dict[str, int] = {}
         self.submit_failures: dict[str, int] = {}
+        self.poll_misses: dict[str, int] = {}
         for path in sorted(self.dir.glob("*/job.json")):  # a restart: every job as it was left
             stored = json.loads(path.read_text())
             job = jobs.Job.model_validate(stored["job"])
@@ -60,6 +62,7 @@ class JobManager:
             )
         self._client = None
         self._watcher: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
 
     # --- helpers --------------------------------------------------------------------
 
@@ -105,7 +108,9 @@ class JobManager:
         if job_id not in self.jobs:
             raise SessionError(404, f"no job {job_id!r}")
         if key is not None and not same_secret(hash_key(key), self.keys[job_id]):
-            raise SessionError(403, "this key belongs to another job")
+            if hash_key(key) in self.keys.values():
+                raise SessionError(403, "this key belongs to another job")
+            raise SessionError(401, "invalid API key: use the admin key or this job's own key")
         return self.jobs[job_id]
 
     # --- the routes' calls ---------------------------------------------------------------
@@ -131,6 +136,8 @@ class JobManager:
         job_id = "job-" + secrets.token_hex(6)
         key = "rlg-job-" + secrets.token_urlsafe(24)
         self._folder(job_id).mkdir(parents=True)
+        if request.task_app_api_key:  # the task app's key: a file for the driver, never in job.json
+            _secret_file(self._folder(job_id) / "task_app_key", request.task_app_api_key)
         gateway = config.gateway
         gateway.run_name, gateway.run_dir = job_id, str(self._run_dir(job_id).parent)
         gateway.host, gateway.port, gateway.route_prefix = self.gateway["host"], self.gateway["port"], f"/jobs/{job_id}"
@@ -176,14 +183,29 @@ class JobManager:
         job = self._job(job_id, key)
         if job.status in jobs.FINISHED:
             raise SessionError(409, f"job {job_id} has already {job.status}")
-        if self._submitted(job_id):
-            await asyncio.to_thread(self.client.stop_job, job_id)
-            asyncio.create_task(self._tidy_after_stop(job_id))
-        self._finish(job_id, "cancelled", None)
+        self._finish(job_id, "cancelled", None)  # first: a submission in flight sees it and stops its job
+        if self._submitted(job_id) or await self._known_to_ray(job_id):
+            await self._stop(job_id)
         return job.model_dump(mode="json")
 
+    async def _stop(self, job_id: str) -> None:
+        """Stop the job's Ray job; tidy up once it has ended (the driver cleans up
+        after itself on SIGTERM, but not if it is killed first)."""
+        try:
+            await asyncio.to_thread(self.client.stop_job, job_id)
+        except Exception as err:  # already gone: nothing to stop
+            print(f"rlgate jobs: could not stop {job_id}: {err}", file=sys.stderr)
+        self._spawn(self._tidy_after_stop(job_id))
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self._tasks.add(task)  # keep a reference until it is done
+        task.add_done_callback(self._tasks.discard)
+
     async def _tidy_after_stop(self, job_id: str) -> None:
-        for _ in range(120):  # the driver cleans up after itself on SIGTERM; if it was killed first, we do
+        for _ in range(120):
+            if not await self._known_to_ray(job_id):
+                break
             info = await asyncio.to_thread(self.client.get_job_info, job_id)
             if info.status.is_terminal():
                 break
@@ -209,13 +231,18 @@ class JobManager:
                 running += self._submitted(job.job_id)
 
     async def _submit_to_ray(self, job: jobs.Job) -> None:
-        config_path = self._folder(job.job_id) / "config.toml"
+        folder = self._folder(job.job_id)
+        config_path = folder / "config.toml"
         entrypoint = shlex.join([self.python, str(ROOT / "train_driver.py"), "--config", str(config_path)])
+        # Secrets reach the driver as files only it can read: Ray keeps a job's env vars in its job info.
+        admin_file = _secret_file(folder / "admin_key", "rlg-admin-" + secrets.token_urlsafe(24))
         env = {
-            "RLGATE_ADMIN_KEY": "rlg-admin-" + secrets.token_urlsafe(24),  # the job's own gateway, used by its driver
+            "RLGATE_ADMIN_KEY_FILE": str(admin_file),  # the job's own gateway, used by its driver alone
             "PYTHONPATH": str(ROOT),
             "RAY_JOB_STOP_WAIT_TIME_S": "60",  # time for a cancelled driver to stop its engines and trainer
         }
+        if (folder / "task_app_key").exists():
+            env["ENVIRONMENT_API_KEY_FILE"] = str(folder / "task_app_key")
         try:
             await asyncio.to_thread(
                 self.client.submit_job,
@@ -232,7 +259,9 @@ class JobManager:
             if tries >= 60:
                 self._finish(job.job_id, "failed", f"Ray's job API refused the job {tries} times: {err}")
             return
-        (self._folder(job.job_id) / "submitted").touch()
+        (folder / "submitted").touch()
+        if self.jobs[job.job_id].status == "cancelled":  # cancelled while it was being submitted
+            await self._stop(job.job_id)
 
     async def _known_to_ray(self, job_id: str) -> bool:
         try:
@@ -246,7 +275,9 @@ class JobManager:
         if not path.exists():
             return []
         lines = path.read_text().splitlines()
-        return [json.loads(line) for line in lines if line.strip().endswith("}")]  # a line being written waits
+        parsed = [json.loads(line) for line in lines if line.strip().endswith("}")]  # a line being written waits
+        # NaN or infinity (a diverged loss) is not JSON: such a figure is reported as null
+        return [{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in m.items()} for m in parsed]
 
     def _results(self, job_id: str) -> jobs.JobResults:
         metrics = self._metrics(job_id)
@@ -293,6 +324,13 @@ class JobManager:
             await asyncio.sleep(1.0)
 
     async def _poll(self, job: jobs.Job) -> None:
+        if not await self._known_to_ray(job.job_id):
+            self.poll_misses[job.job_id] = self.poll_misses.get(job.job_id, 0) + 1
+            if self.poll_misses[job.job_id] >= 30:  # half a minute: the cluster restarted without it
+                self._finish(job.job_id, "failed", "Ray no longer knows this job (was the cluster restarted?)")
+                await self._drop_leftovers(job.job_id)
+            return
+        self.poll_misses.pop(job.job_id, None)
         info = await asyncio.to_thread(self.client.get_job_info, job.job_id)
         status = jobs.RAY_STATUS.get(info.status.value, "queued")
         if status == "running" and job.status == "queued":
@@ -309,7 +347,8 @@ class JobManager:
         self._save(job.job_id)
 
     async def _drop_leftovers(self, job_id: str) -> None:
-        """A job killed before its own cleanup may leave its Serve app behind."""
+        """A finished job's Serve app (left behind if its driver was killed before
+        its own cleanup) and its run's detached actors; its files stay."""
         from ray import serve
 
         try:
@@ -317,11 +356,24 @@ class JobManager:
                 await asyncio.to_thread(serve.delete, f"rlgate-{job_id}", False)
         except Exception as err:
             print(f"rlgate jobs: could not remove the Serve app of {job_id}: {err}", file=sys.stderr)
+        for suffix in ("sessions", "trajectories", "capacity", "policy", "train"):
+            try:
+                ray.kill(ray.get_actor(f"rlgate-{job_id}-{suffix}", namespace="rlgate"))
+            except ValueError:
+                pass  # never made, or gone already
+
+
+def _secret_file(path: Path, secret: str) -> Path:
+    path.touch(mode=0o600)
+    path.write_text(secret)
+    return path
 
 
 def _last_line(logs: str) -> str | None:
     """The driver's own one-line reason (``rlgate: ...``), else the last line of its logs."""
-    lines = [line.strip() for line in logs.splitlines() if line.strip()]
+    from rlgate.tasks import redact
+
+    lines = [redact(line.strip()) for line in logs.splitlines() if line.strip()]
     ours = [line for line in lines if line.startswith("rlgate: ") and ("fail" in line or "stopped" in line)]
     if ours:
         return ours[-1].removeprefix("rlgate: ")

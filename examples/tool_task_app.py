@@ -3,7 +3,8 @@
 The policy is asked an arithmetic question and given a ``calculator`` tool. It
 may call the tool over several turns (each result goes back as a ``tool``
 message) before it answers; the reward is 1 for the right number in the final
-answer, and each turn's tool call that parses earns an event reward of 0.1.
+answer, and each turn whose tool calls all parse earns an event reward of 0.1
+(one event per turn, as the trainer puts the i-th on the i-th completion).
 The built-in ``tiny-tools`` model has learned to call the calculator.
 
     python examples/tool_task_app.py --port 8202
@@ -75,14 +76,14 @@ async def rollout(episode: Episode) -> Outcome:
             correct = found is not None and int(found.group()) == answer
             return Outcome(float(correct), events, steps=len(events) + 1, details={"answer": message.content})
         messages.append(message.model_dump(exclude_none=True))
+        parsed = True
         for call in message.tool_calls:
             try:
                 result = calculate(json.loads(call.function.arguments)["expression"])
-                events.append(0.1)
             except (ValueError, KeyError, TypeError):
-                result = "error: arguments must be JSON with an 'expression'"
-                events.append(0.0)
+                result, parsed = "error: arguments must be JSON with an 'expression'", False
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        events.append(0.1 if parsed else 0.0)
     return Outcome(0.0, events, steps=len(events), details={"answer": None, "reason": "out of turns"})
 
 

@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", required=True, help="an RL TOML (rlgate's or synth-ai's shape)")
     train.add_argument("--task-app", help="the task app's base URL (overrides [services] task_url)")
     train.add_argument("--model", help="overrides [model] name")
+    train.add_argument(
+        "--task-app-key", default=os.environ.get("ENVIRONMENT_API_KEY"), help="default $ENVIRONMENT_API_KEY"
+    )
     train.add_argument("--idempotency-key", help="resubmitting with the same key returns the same job")
     train.add_argument("--poll", action="store_true", help="follow the job with a live progress display")
 
@@ -161,7 +164,7 @@ def _hint(err, args) -> str:
 def _http_command(args) -> int:
     from rlgate.client import RLGateError, RLJob, Session, list_jobs
 
-    if args.api_key is None:
+    if args.api_key is None and not (args.command == "session" and args.action in ("reward", "end")):
         raise RLGateError(401, "no API key given")
     show = lambda value: print(json.dumps(value, indent=2))  # noqa: E731
     if args.command == "train":

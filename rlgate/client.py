@@ -79,9 +79,11 @@ class RLJob:
         idempotency_key: str | None = None,
         model: str | None = None,
         overrides: dict | None = None,
+        task_app_api_key: str | None = None,
     ) -> RLJob:
         """A job for the TOML at ``config_path`` (synth-ai's shape or ours),
-        sent in synth-ai's payload shape; ``task_app_url`` overrides ``[services] task_url``."""
+        sent in synth-ai's payload shape; ``task_app_url`` overrides ``[services] task_url``;
+        ``task_app_api_key`` is the task app's environment key (kept out of the job's records)."""
         path = Path(config_path)
         try:
             config = tomllib.loads(path.read_text())
@@ -97,6 +99,8 @@ class RLJob:
         if model:
             data["model"] = model
         payload = {"job_type": "rl", "data": data, "metadata": {"config_path": str(path)}}
+        if task_app_api_key:
+            payload["task_app_api_key"] = task_app_api_key
         return cls(backend_url, api_key, payload, idempotency_key)
 
     @classmethod

@@ -60,6 +60,11 @@ class RolloutConfig(_Section):
 class GatewayConfig(_Section):
     host: str = Field("127.0.0.1", min_length=1, description="Address the HTTP server binds.")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
+    public_url: str | None = Field(
+        None,
+        description="Base URL others reach the gateway at (e.g. behind a proxy); inference URLs handed to task "
+        "apps start with it. Default: the URL the request came in on.",
+    )
     route_prefix: str = Field(
         "/",
         pattern=r"^/([A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*)?$",
@@ -281,7 +286,10 @@ def parse_config(data: dict, source: str = "config") -> RLGateConfig:
     from rlgate.synth import from_synth, is_synth_shape
 
     if is_synth_shape(data):
-        data = from_synth(data, source)
+        try:
+            data = from_synth(data, source)
+        except (TypeError, ValueError, AttributeError) as err:  # e.g. a number where a table was due
+            raise ConfigError(f"{source}: a synth-ai key has a value of the wrong type: {err}") from None
     try:
         return RLGateConfig.model_validate(data)
     except ValidationError as err:

@@ -56,6 +56,9 @@ class JobRequest(BaseModel):
     config: dict[str, Any] | None = Field(None, description="Native: the config as JSON.")
     config_toml: str | None = Field(None, description="Native: the config as TOML text.")
     task_app_url: str | None = Field(None, description="Native: overrides [services] task_url.")
+    task_app_api_key: str | None = Field(
+        None, description="The task app's environment key (sent as X-API-Key); kept out of the job's records."
+    )
     tags: dict[str, Any] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
 
@@ -105,6 +108,13 @@ class Event(BaseModel):
 
 def job_config(request: JobRequest) -> RLGateConfig:
     """The request's validated config; ConfigError names every field that is wrong."""
+    try:
+        return _job_config(request)
+    except (TypeError, ValueError, AttributeError) as err:  # a value of the wrong type where a table was due
+        raise ConfigError(f"config: a value has the wrong type: {err}") from None
+
+
+def _job_config(request: JobRequest) -> RLGateConfig:
     given = [name for name in ("data", "config", "config_toml") if getattr(request, name) is not None]
     if len(given) != 1:
         raise ConfigError(

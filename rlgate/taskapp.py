@@ -36,6 +36,14 @@ from pydantic import BaseModel, ConfigDict, Field
 API_KEY_ENV = "ENVIRONMENT_API_KEY"
 
 
+def environment_key() -> str | None:
+    """The task app's key: ``$ENVIRONMENT_API_KEY``, or the file ``$ENVIRONMENT_API_KEY_FILE`` names."""
+    if os.environ.get(API_KEY_ENV):
+        return os.environ[API_KEY_ENV]
+    path = os.environ.get(f"{API_KEY_ENV}_FILE")
+    return open(path).read().strip() if path else None
+
+
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 

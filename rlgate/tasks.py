@@ -70,6 +70,11 @@ def get_task(name: str):
     return TASKS[name]()
 
 
+def redact(text: str) -> str:
+    """``text`` without session keys: an error quoting an inference URL names its key in the path."""
+    return re.sub(r"/s/[^/\s'\"]+", "/s/<session key>", text)
+
+
 @dataclass
 class EpisodeStats:
     """What the player has done so far; read by the driver for its metrics."""
@@ -137,6 +142,7 @@ async def play(
             stats.last_success, stats.failed_since_success = time.monotonic(), 0
 
     def failed(error: str) -> None:
+        error = redact(error)
         stats.failed += 1
         stats.failed_since_success += 1
         if stats.last_error != error:
@@ -240,17 +246,19 @@ async def evaluate(
 
     async def one(http: httpx.AsyncClient, seed: int) -> float | None:
         async with slots:
-            body = {"task_id": f"eval-seed-{seed}", "train": False}
-            session = (await http.post(f"{url}/rl/start_session", json=body, headers=admin)).raise_for_status().json()
-            auth = {"Authorization": f"Bearer {session['api_key']}"}
+            body, auth = {"task_id": f"eval-seed-{seed}", "train": False}, None
             try:
+                started = await http.post(f"{url}/rl/start_session", json=body, headers=admin)
+                session = started.raise_for_status().json()
+                auth = {"Authorization": f"Bearer {session['api_key']}"}
                 reward = await run(session, seed)
                 return reward[0] if isinstance(reward, tuple) else reward  # the outcome, not per-turn rewards
-            except Exception as err:
-                logger.warning("evaluation episode (seed %d) failed: %s", seed, err)
+            except Exception as err:  # costs this episode only
+                logger.warning("evaluation episode (seed %d) failed: %s", seed, redact(str(err)))
                 return None
             finally:
-                await http.post(f"{url}/rl/end_session", headers=auth)
+                if auth is not None:
+                    await http.post(f"{url}/rl/end_session", headers=auth)
 
     async with httpx.AsyncClient(timeout=600) as http:
         rewards = await asyncio.gather(*(one(http, seed) for seed in seeds))

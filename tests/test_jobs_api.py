@@ -19,6 +19,7 @@ from rlgate.client import RLGateError, RLJob
 from tests.conftest import serve_asgi, start_gateway
 
 pytestmark = pytest.mark.slow
+TASK_APP_KEY = "env-key-for-the-jobs-tests"
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def task_app():
             raise RuntimeError("the simulator fell over")
         return await rollout(episode)
 
-    with serve_asgi(create_task_app("math", flaky, api_key="")) as url:
+    with serve_asgi(create_task_app("math", flaky, api_key=TASK_APP_KEY)) as url:
         yield url
 
 
@@ -69,6 +70,7 @@ def payload(task_url: str, steps: int = 2, **training) -> dict:
         "compute": {"gpu_type": "cpu", "gpu_count": 0},
         "data": {"endpoint_base_url": task_url, "config": config, "model": "tiny-random"},
         "tags": {"test": "jobs"},
+        "task_app_api_key": TASK_APP_KEY,
     }
 
 
@@ -138,6 +140,16 @@ def test_a_job_runs_on_ray_and_reports_results_events_and_metrics(jobsgw, task_a
     shown = json.loads(rlgate(jobsgw, "jobs", "status", job_id).stdout)
     assert shown["results"] == results
 
+    # No key (admin, job, session, the task app's) is in the job's records, events or logs.
+    folder = jobsgw.run_dir.parent / "jobs" / job_id
+    secrets = [jobsgw.admin_key, job.job_api_key, TASK_APP_KEY, (folder / "admin_key").read_text()]
+    records = [folder / "job.json", folder / "events.jsonl", folder / "config.toml"]
+    logs = JobSubmissionClient(ray.get_runtime_context().gcs_address).get_job_logs(job_id)
+    for text in [p.read_text() for p in records] + [logs]:
+        assert not any(secret in text for secret in secrets)
+    assert "rlg-" not in logs.replace("rlg-admin", "")  # no session key either
+    assert oct((folder / "task_app_key").stat().st_mode & 0o777) == "0o600"
+
     # Job state lives on disk: a restarted JobManager answers as before.
     ray.kill(ray.get_actor("rlgate-jobs", namespace="rlgate"))
     time.sleep(1)
@@ -160,6 +172,13 @@ def test_bad_requests_are_refused_with_what_was_wrong(jobsgw, task_app):
     with pytest.raises(RLGateError) as missing:
         RLJob.from_job_id("job-nope", jobsgw.url, jobsgw.admin_key).get_status()
     assert missing.value.status == 404
+
+
+def test_a_task_app_that_refuses_our_key_fails_the_job_with_the_reason(jobsgw, task_app):
+    job = RLJob(jobsgw.url, jobsgw.admin_key, payload(task_app) | {"task_app_api_key": "not-the-key"})
+    job.submit()
+    final = job.poll_until_complete(timeout=300, interval=0.5)
+    assert final["status"] == "failed" and "/health: 401 unauthorised" in final["error"]
 
 
 def test_an_unhealthy_task_app_fails_the_job_with_the_reason(jobsgw):
@@ -211,7 +230,7 @@ def test_jobs_queue_beyond_capacity_and_cancel_mid_run(jobsgw, task_app, tmp_pat
         '[model]\nname = "tiny-random"\n[rollout]\nmax_model_len = 512\nkv_cache_gib = 0.5\n'
         '[training]\nbatch_size = 8\ngroup_size = 4\ntotal_steps = 200\n[task]\nenv_name = "math"\n'
     )
-    submitted = rlgate(jobsgw, "train", "--config", str(config), "--task-app", task_app)
+    submitted = rlgate(jobsgw, "train", "--config", str(config), "--task-app", task_app, "--task-app-key", TASK_APP_KEY)
     assert submitted.returncode == 0, submitted.stderr
     second_id, second_key = re.match(r"rlgate: job (\S+) submitted; its own key: (\S+)", submitted.stdout).groups()
     second = RLJob.from_job_id(second_id, jobsgw.url, jobsgw.admin_key)
