@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from rlgate import jobs
 from rlgate.config import ConfigError, dump_config
+from rlgate.placement import plan, unplaceable
 from rlgate.sessions import SessionError, hash_key, same_secret
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,7 +131,8 @@ class JobManager:
         except ConfigError as err:
             raise SessionError(422, f"invalid job config: {err}") from None
         gpus = config.compute.gpus_per_worker if config.compute.gpus_per_worker is not None else 0.0
-        problem = jobs.shortfall(jobs.needed_resources(config, gpus), ray.cluster_resources())
+        nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+        problem = unplaceable(plan(config, gpus), nodes)
         if problem:
             raise SessionError(422, problem)
         job_id = "job-" + secrets.token_hex(6)

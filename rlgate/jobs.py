@@ -3,8 +3,9 @@
 A job is an RL config (synth-ai's payload or our own) that the JobManager
 runs as a Ray job (``train_driver.py``). Here, without Ray: the request and
 record models, turning a request into a validated :class:`RLGateConfig`,
-whether the cluster could ever run it, Ray's job status in our words, and the
-events and progress read off the run's ``metrics.jsonl``.
+Ray's job status in our words, and the events and progress read off the
+run's ``metrics.jsonl``. Whether the cluster could ever hold a job is
+:mod:`rlgate.placement`'s.
 
 Status moves ``queued`` → ``running`` → ``succeeded`` | ``failed`` |
 ``cancelled``; events are ``rl.created``, ``rl.running``,
@@ -149,26 +150,6 @@ def _job_config(request: JobRequest) -> RLGateConfig:
             f"{source}: a job needs episodes: set [services] task_url (or data.endpoint_base_url) or [task] builtin"
         )
     return config
-
-
-def needed_resources(config: RLGateConfig, trainer_gpus: float) -> dict[str, float]:
-    """What the job's rollout replicas and trainer workers take, by Ray resource."""
-    rollout, compute = config.rollout, config.compute
-    return {
-        "CPU": rollout.replicas * rollout.num_cpus + compute.trainer_workers * compute.cpus_per_worker,
-        "GPU": rollout.replicas * rollout.num_gpus + compute.trainer_workers * trainer_gpus,
-    }
-
-
-def shortfall(needed: dict[str, float], cluster: dict[str, float]) -> str | None:
-    """Why a cluster with ``cluster`` resources in all can never run a job needing
-    ``needed``, or None if it can (once other jobs are done)."""
-    missing = [
-        f"{amount:g} {name} (the cluster has {cluster.get(name, 0):g})"
-        for name, amount in needed.items()
-        if amount > cluster.get(name, 0)
-    ]
-    return "the cluster can never run this job: it needs " + ", ".join(missing) if missing else None
 
 
 def progress(metrics: list[dict], total_steps: int) -> dict[str, Any]:

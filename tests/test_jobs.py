@@ -1,4 +1,4 @@
-"""rlgate.jobs: job requests to configs, resource arithmetic, progress and events (pure)."""
+"""rlgate.jobs: job requests to configs, progress and events (pure)."""
 
 from __future__ import annotations
 
@@ -73,18 +73,6 @@ def test_bad_requests_name_what_is_wrong(body, message):
 def test_unknown_request_fields_are_refused():
     with pytest.raises(ValidationError, match="configg"):
         jobs.JobRequest.model_validate({"configg": {}})
-
-
-def test_resources_and_what_a_cluster_can_never_run():
-    config = jobs.job_config(
-        jobs.JobRequest(config={"task": {"builtin": "vowels"}, "compute": {"trainer_workers": 2, "cpus_per_worker": 2}})
-    )
-    needed = jobs.needed_resources(config, trainer_gpus=1)
-    assert needed == {"CPU": 1 * 1 + 2 * 2, "GPU": 0 + 2 * 1}
-    assert jobs.shortfall(needed, {"CPU": 16, "GPU": 2}) is None
-    assert jobs.shortfall(needed, {"CPU": 4}) == (
-        "the cluster can never run this job: it needs 5 CPU (the cluster has 4), 2 GPU (the cluster has 0)"
-    )
 
 
 def test_progress_and_events_from_metrics():

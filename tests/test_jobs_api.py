@@ -168,7 +168,9 @@ def test_bad_requests_are_refused_with_what_was_wrong(jobsgw, task_app):
     assert answer.status_code == 422 and "dat" in answer.text
     huge = payload(task_app) | {"compute": {"gpu_type": "H100", "gpu_count": 8}}
     answer = post(huge, headers=jobsgw.admin)
-    assert answer.status_code == 422 and "the cluster can never run this job" in answer.text and "GPU" in answer.text
+    assert (
+        answer.status_code == 422 and "the cluster can never run this: it needs" in answer.text and "GPU" in answer.text
+    )
     with pytest.raises(RLGateError) as missing:
         RLJob.from_job_id("job-nope", jobsgw.url, jobsgw.admin_key).get_status()
     assert missing.value.status == 404
