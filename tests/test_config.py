@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,18 @@ def test_training_and_compute_checks_name_the_keys():
         parse_config({"training": {"learning_rate": 0}})
     with pytest.raises(ConfigError, match=r"algorithm.variety: .*'grpo', 'dr_grpo', 'dapo', 'gspo' or 'rloo'"):
         parse_config({"algorithm": {"variety": "ppo"}})
+
+
+def test_the_serve_config_file_is_valid_and_names_our_deployments():
+    """configs/serve.yaml passes Serve's own schema and configures the deployments serve_app builds."""
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    data = yaml.safe_load((ROOT / "configs" / "serve.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(data)
+    [application] = schema.applications
+    assert application.import_path == "serve_app:app" and application.route_prefix == "/"
+    parse_config(tomllib.loads((ROOT / application.args["config"]).read_text()))  # the TOML it names parses
+    assert {d.name for d in application.deployments} == {"Gateway", "RolloutServer"}
+    rollout = next(d for d in application.deployments if d.name == "RolloutServer")
+    assert rollout.autoscaling_config["min_replicas"] >= 1
