@@ -37,6 +37,9 @@ def jobsgw(ray_session, tmp_path_factory):
     serve.delete("jobsgw")
 
 
+SEEN: list = []  # every RolloutRequest the task app got
+
+
 @pytest.fixture(scope="module")
 def task_app():
     """examples/math_task_app.py, except that every sixth rollout crashes."""
@@ -46,6 +49,7 @@ def task_app():
     calls = [0]
 
     async def flaky(episode):
+        SEEN.append(episode.request)
         calls[0] += 1
         if calls[0] % 6 == 0:
             raise RuntimeError("the simulator fell over")
@@ -60,7 +64,7 @@ def payload(task_url: str, steps: int = 2, **training) -> dict:
     config = {
         "algorithm": {"type": "online", "method": "policy_gradient", "variety": "grpo"},
         "model": {"base": "smollm2-135m-instruct", "trainer_mode": "full"},
-        "rollout": {"env_name": "math", "max_concurrent_rollouts": 8},
+        "rollout": {"env_name": "math", "max_concurrent_rollouts": 8, "max_turns": 1},
         "training": {"batch_size": 8, "group_size": 4, "learning_rate": 1e-3, "iterations_per_epoch": steps} | training,
         "vllm": {"max_model_len": 512},
         "evaluation": {"every_n_iters": 2, "seeds": [900, 901, 902], "instances": 3},
@@ -128,6 +132,19 @@ def test_a_job_runs_on_ray_and_reports_results_events_and_metrics(jobsgw, task_a
     listing = httpx.get(f"{jobsgw.url}/api/rl/jobs", headers={"Authorization": f"Bearer {job.job_api_key}"})
     assert listing.status_code == 401
     assert job_id in [j["job_id"] for j in httpx.get(f"{jobsgw.url}/api/rl/jobs", headers=jobsgw.admin).json()]
+
+    # Training never saw a failed episode; the task app saw the contract: RL then eval mode, our seeds,
+    # a session-scoped inference URL under the job's own gateway for every episode.
+    run = jobsgw.run_dir.parent / "jobs" / job_id / "runs" / job_id
+    saved = {r["seq"]: r for f in sorted((run / "trajectories").glob("*.jsonl")) for r in map(json.loads, f.open())}
+    trained = [saved[seq] for b in map(json.loads, (run / "batches.jsonl").open()) for seq in b["seqs"]]
+    assert trained and not any(r.get("failed") for r in trained) and any(r.get("failed") for r in saved.values())
+    mine = [r for r in SEEN if f"/jobs/{job_id}/s/rlg-" in r.policy.config["inference_url"]]
+    urls = [r.policy.config["inference_url"] for r in mine]
+    assert len(set(urls)) == len(urls) and all(u.endswith("/v1") for u in urls)
+    assert {r.env.seed for r in mine if r.mode == "eval"} == {900, 901, 902}
+    assert {r.env.seed for r in mine if r.mode == "rl"} <= set(range(100))  # no [task] seeds: 0, 1, 2, ...
+    assert all(r.env.config["max_turns"] == 1 and r.env.env_name == "math" for r in mine)
 
     # The CLI: the same idempotency key finds the finished job; --poll reports how it ended.
     toml = tmp_path / "same.toml"
