@@ -1,0 +1,73 @@
+"""The deployment files parse and fit what the configs they run ask for:
+cluster.yaml (Ray cluster launcher), deploy/rayservice.yaml and deploy/rayjob.yaml (KubeRay)."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from rlgate.config import load_config
+from rlgate.placement import plan, unplaceable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pod_resources(template: dict) -> dict[str, float]:
+    """What Ray sees on a KubeRay pod: its container's CPU and GPU limits."""
+    limits = template["spec"]["containers"][0]["resources"]["limits"]
+    return {"CPU": float(limits["cpu"]), "GPU": float(limits.get("nvidia.com/gpu", 0))}
+
+
+def kuberay_nodes(cluster: dict) -> list[dict[str, float]]:
+    head = pod_resources(cluster["headGroupSpec"]["template"])
+    head["GPU"] = float(cluster["headGroupSpec"]["rayStartParams"].get("num-gpus", head["GPU"]))
+    workers = [
+        pod_resources(group["template"]) for group in cluster["workerGroupSpecs"] for _ in range(group["maxReplicas"])
+    ]
+    return [head, *workers]
+
+
+def test_cluster_yaml_node_types_hold_the_cluster_config():
+    cluster = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    types = cluster["available_node_types"]
+    assert cluster["head_node_type"] in types and types[cluster["head_node_type"]]["resources"].get("GPU", 0) == 0
+    assert sum(t["max_workers"] for t in types.values()) <= cluster["max_workers"] + types["head"]["max_workers"]
+    assert any("rlgate[gpu]" in command for command in cluster["setup_commands"])
+    # at full scale the node types hold configs/cluster.toml's rollout replicas and trainer workers
+    nodes = [dict(t["resources"]) for t in types.values() for _ in range(max(1, t["max_workers"]))]
+    config = load_config(ROOT / "configs" / "cluster.toml")
+    assert unplaceable(plan(config, config.compute.gpus_per_worker), nodes) is None
+    assert config.gateway.host == "0.0.0.0"  # the head serves agents on other machines
+
+
+def test_rayservice_runs_the_serve_application():
+    service = yaml.safe_load((ROOT / "deploy" / "rayservice.yaml").read_text())
+    assert (service["apiVersion"], service["kind"]) == ("ray.io/v1", "RayService")
+    serve = ServeDeploySchema.model_validate(yaml.safe_load(service["spec"]["serveConfigV2"]))
+    [application] = serve.applications
+    assert application.import_path == "serve_app:app"
+    load_config(ROOT / application.args["config"])
+    deployments = {d.name: d for d in application.deployments}
+    assert set(deployments) == {"Gateway", "RolloutServer"}
+    rollout = deployments["RolloutServer"]
+    nodes = kuberay_nodes(service["spec"]["rayClusterConfig"])
+    gpus = rollout.ray_actor_options.num_gpus
+    assert sum(1 for n in nodes if n["GPU"] >= gpus) >= rollout.autoscaling_config["max_replicas"]
+    head = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert {"name": "RLGATE_ADMIN_KEY", "valueFrom": {"secretKeyRef": {"name": "rlgate", "key": "admin-key"}}} in head[
+        "env"
+    ]
+
+
+def test_rayjob_runs_the_driver_on_a_cluster_that_holds_it():
+    job = yaml.safe_load((ROOT / "deploy" / "rayjob.yaml").read_text())
+    assert (job["apiVersion"], job["kind"]) == ("ray.io/v1", "RayJob")
+    command = shlex.split(job["spec"]["entrypoint"])
+    assert command[:2] == ["python", "train_driver.py"]
+    config = load_config(ROOT / command[command.index("--config") + 1])
+    assert Path(command[command.index("--run-dir") + 1]).is_absolute()  # outlives the job's working copy
+    nodes = kuberay_nodes(job["spec"]["rayClusterSpec"])
+    assert unplaceable(plan(config, config.compute.gpus_per_worker), nodes) is None
