@@ -21,6 +21,7 @@ from dataclasses import asdict, replace
 import ray
 
 from rlgate.capacity import CapacityRule, CapacityStats, GroupReservations, free_slots
+from rlgate.telemetry import Metrics
 
 
 # num_cpus=0: pure bookkeeping; it must never wait for a CPU on a packed cluster.
@@ -42,6 +43,13 @@ class CapacityActor:
         self.reservations = GroupReservations()  # slots held for groups already started
         # Notified on every change that can free a slot (release, new version, new settings).
         self._changed = asyncio.Condition()
+        name = (ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None) or "rlgate-capacity"
+        self.metrics = Metrics(name.removeprefix("rlgate-").removesuffix("-capacity"))
+
+    def _report(self) -> None:
+        self.metrics.set("rlgate_policy_version", self.version)
+        self.metrics.set("rlgate_capacity_running", self.running)
+        self.metrics.set("rlgate_capacity_free", self._free())
 
     def _free(self) -> int:
         counted = self.accepted - self.accepted_base - self.discarded
@@ -75,6 +83,7 @@ class CapacityActor:
                     pass
             if not self._admits(task_id, group_size):
                 self.rejected += 1
+                self._report()
                 return False
             if self.rule.batch_size is not None and task_id is not None:
                 if self.reservations.joins(task_id):
@@ -82,6 +91,7 @@ class CapacityActor:
                 else:
                     self.reservations.open(task_id, self.rule.group_slots(group_size), time.monotonic())
             self.running += 1
+            self._report()
             return True
 
     async def release(self, accepted: bool) -> None:
@@ -92,6 +102,7 @@ class CapacityActor:
             self.running -= 1
             self.accepted += int(accepted)
             self._changed.notify_all()
+            self._report()
 
     async def grant(
         self, batch_size: int, max_staleness: int, group_size: int = 1, group_timeout_s: float = 600.0
@@ -116,6 +127,7 @@ class CapacityActor:
         async with self._changed:
             self.discarded += sessions
             self._changed.notify_all()
+            self._report()
 
     async def detach(self) -> None:
         """The trainer left: admit by ``max_concurrent`` only."""
@@ -131,6 +143,7 @@ class CapacityActor:
                 raise ValueError(f"policy version cannot go backwards: {self.version} -> {version}")
             self.version = version
             self._changed.notify_all()
+            self._report()
 
     async def stats(self) -> dict:
         rule = self.rule
@@ -154,6 +167,7 @@ class CapacityActor:
         async with self._changed:
             self.rule = replace(self.rule, **changes)  # validated by CapacityRule
             self._changed.notify_all()
+            self._report()
 
 
 def get_or_create_capacity(name: str, namespace: str | None, max_concurrent: int):

@@ -44,6 +44,7 @@ from rlgate.engines import SamplingParams
 from rlgate.engines.base import EngineInputError
 from rlgate.openai_format import TextStream, TokenText, chat_logprobs, visible_text
 from rlgate.sessions import SessionError, hash_key, new_session_key, same_secret
+from rlgate.telemetry import Metrics
 from rlgate.toolcalls import detect_parser, get_parser
 from rlgate.trajectory import Interaction
 
@@ -107,6 +108,20 @@ async def _limit_body(request: Request, call_next):
 
 
 app.state.max_body_bytes = 4 * 2**20
+app.state.metrics = None  # the replica's rlgate.telemetry.Metrics, set by Gateway.__init__
+
+
+@app.middleware("http")
+async def _measure(request: Request, call_next):
+    """Requests and latency (to the first byte) per route template: a scoped URL's key stays out."""
+    started = time.monotonic()
+    response = await call_next(request)
+    metrics = request.app.state.metrics
+    if metrics is not None:
+        route = getattr(request.scope.get("route"), "path", "unmatched")
+        metrics.inc("rlgate_requests_total", route=route, status=str(response.status_code))
+        metrics.observe("rlgate_request_seconds", time.monotonic() - started, route=route)
+    return response
 
 
 def _cause(err: BaseException) -> BaseException:
@@ -321,6 +336,7 @@ class Gateway:
         self.settings = RLGateConfig.model_validate(config)
         gateway = self.settings.gateway
         app.state.max_body_bytes = gateway.max_body_bytes
+        app.state.metrics = Metrics(gateway.run_name)
         self.rollout = rollout
         self.admin_key_hash = admin_key_hash
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -17,6 +17,7 @@ import asyncio
 import ray
 
 from rlgate.sessions import Parent, SessionManager, sweep
+from rlgate.telemetry import Metrics
 from rlgate.trajectory import Interaction
 
 
@@ -47,6 +48,21 @@ class SessionStore:
         )
         self._sweep_every = min(10.0, settings["session_timeout_s"] / 4)
         self._sweeper: asyncio.Task | None = None
+        self.metrics = Metrics(settings["run_name"])
+        self._reported = dict(self.manager.counters)
+
+    def _report(self) -> None:
+        """The manager's counters since the last report, as dashboard metrics."""
+        now, before = self.manager.counters, self._reported
+        delta = {key: now[key] - before.get(key, 0) for key in now}
+        self.metrics.inc("rlgate_sessions_started_total", delta["started"])
+        self.metrics.inc("rlgate_sessions_rejected_total", delta["rejected"])
+        by_reason = {"failed": delta["failed"], "timeout": delta["expired"], "refreshed": delta["refreshed"]}
+        by_reason["ended"] = delta["ended"] - sum(by_reason.values())
+        for reason, count in by_reason.items():
+            self.metrics.inc("rlgate_sessions_ended_total", count, reason=reason)
+        self.metrics.set("rlgate_sessions_open", len(self.manager.sessions))
+        self._reported = dict(now)
 
     async def _persist(self, records: list[dict]) -> None:
         await self.trajectories.append.remote(records)
@@ -54,7 +70,7 @@ class SessionStore:
     def _ensure_sweeper(self) -> None:
         # Started on the first call: an actor's __init__ runs before its event loop.
         if self._sweeper is None or self._sweeper.done():
-            self._sweeper = asyncio.create_task(sweep(self.manager, self._sweep_every))
+            self._sweeper = asyncio.create_task(sweep(self.manager, self._sweep_every, after=self._report))
 
     async def start(
         self,
@@ -66,7 +82,10 @@ class SessionStore:
         train: bool = True,
     ) -> str:
         self._ensure_sweeper()
-        return await self.manager.start(task_id, key_hash, refresh_key_hash, group_size, wait_s, train)
+        try:
+            return await self.manager.start(task_id, key_hash, refresh_key_hash, group_size, wait_s, train)
+        finally:
+            self._report()
 
     async def begin(self, key_hash: str, candidate_keys: list[str]) -> tuple[str, Parent | None]:
         self._ensure_sweeper()
@@ -74,6 +93,7 @@ class SessionStore:
 
     async def record(self, session_id: str, interactions: list[Interaction]) -> None:
         self.manager.record(session_id, interactions)
+        self.metrics.inc("rlgate_completion_tokens_total", sum(len(i.completion_ids) for i in interactions))
 
     async def abandon(self, session_id: str) -> None:
         self.manager.abandon(session_id)
@@ -84,11 +104,18 @@ class SessionStore:
         return self.manager.set_reward(key_hash, reward, interaction_id, turn_rewards)
 
     async def end(self, key_hash: str, failed: bool = False) -> int:
-        return await self.manager.end(key_hash, failed)
+        try:
+            return await self.manager.end(key_hash, failed)
+        finally:
+            self._report()
 
     async def expire_idle(self) -> int:
-        return await self.manager.expire_idle()
+        try:
+            return await self.manager.expire_idle()
+        finally:
+            self._report()
 
     async def stats(self) -> dict:
         self._ensure_sweeper()
+        self._report()
         return self.manager.stats()

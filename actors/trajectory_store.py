@@ -18,6 +18,8 @@ from pathlib import Path
 
 import ray
 
+from rlgate.telemetry import Metrics
+
 SEGMENT_BYTES = 64 * 2**20
 
 
@@ -94,11 +96,14 @@ class TrajectoryStore:
     def __init__(self, run_dir: str) -> None:
         self.files = TrajectoryFiles(Path(run_dir) / "trajectories")
         self._lock = asyncio.Lock()
+        self.metrics = Metrics(Path(run_dir).name)
 
     async def append(self, records: list[dict]) -> list[int]:
         """Persist records (fsync'd) and return their sequence numbers."""
         async with self._lock:
-            return await asyncio.to_thread(self.files.append, records)
+            seqs = await asyncio.to_thread(self.files.append, records)
+        self.metrics.inc("rlgate_trajectories_saved_total", len(seqs))
+        return seqs
 
     async def read(self, since: int = 0, limit: int = 1000) -> list[dict]:
         return await asyncio.to_thread(self.files.read, since, limit)

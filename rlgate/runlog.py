@@ -1,12 +1,14 @@
 """What a training run shows and keeps: a live progress bar, ``metrics.jsonl``,
 ``batches.jsonl`` (which trajectories each step used), Ray dashboard metrics
-(``ray.util.metrics``), and a reward-curve PNG."""
+(``ray.util.metrics``, declared in :mod:`rlgate.telemetry`), and a reward-curve PNG."""
 
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
+
+from rlgate.telemetry import TRAIN_GAUGES, Metrics
 
 SHOWN = ("reward_mean", "samples", "dropped", "staleness", "tokens_per_s", "step_s")
 
@@ -28,7 +30,7 @@ class RunLog:
         )
         self.task = self.progress.add_task("train", total=total_steps, completed=first_step, summary="waiting")
         self.progress.start()
-        self.gauges = _gauges()
+        self.metrics = Metrics(folder.name)
 
     def log(self, step: int, metrics: dict) -> None:
         record = {"step": step, "time": time.time(), **metrics}
@@ -36,9 +38,10 @@ class RunLog:
             handle.write(json.dumps(record) + "\n")
         summary = "  ".join(f"{k}={metrics[k]:.3g}" for k in SHOWN if k in metrics)
         self.progress.update(self.task, completed=step, summary=summary)
-        for name, gauge in self.gauges.items():
-            if name in metrics:
-                gauge.set(float(metrics[name]))
+        for name in TRAIN_GAUGES:
+            value = metrics.get(name, metrics.get(f"train_{name}"))
+            if value is not None:
+                self.metrics.set(f"rlgate_train_{name}", float(value))
 
     def batch(self, step: int, seqs: list[int]) -> None:
         """Which saved trajectories (by ``seq``) a step trained on: the audit trail."""
@@ -74,25 +77,3 @@ class RunLog:
 
     def close(self) -> None:
         self.progress.stop()
-
-
-def _gauges() -> dict:
-    """Dashboard gauges; none when Ray is not initialised (e.g. in unit tests)."""
-    import ray
-
-    if not ray.is_initialized():
-        return {}
-    from ray.util.metrics import Gauge
-
-    names = {
-        "reward_mean": "Mean reward of the last training batch",
-        "step_s": "Seconds per training step",
-        "version": "Policy version served",
-        "staleness": "Mean staleness (versions) of trained tokens",
-        "samples": "Samples in the last batch",
-        "dropped": "Samples dropped so far (equal-reward, partial or stale groups)",
-        "stale_tokens_dropped": "Sampled tokens masked out as too stale in the last batch",
-        "tokens_per_s": "Trained tokens per second",
-        "sync_s": "Seconds to get new weights to every replica",
-    }
-    return {name: Gauge(f"rlgate_train_{name}", description=text) for name, text in names.items()}

@@ -310,8 +310,10 @@ def same_secret(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
-async def sweep(manager: SessionManager, every_s: float) -> None:
-    """Background task: end idle sessions forever."""
+async def sweep(manager: SessionManager, every_s: float, after: Callable[[], None] | None = None) -> None:
+    """Background task: end idle sessions forever; ``after`` runs after each pass."""
     while True:
         await asyncio.sleep(every_s)
         await manager.expire_idle()
+        if after is not None:
+            after()

@@ -71,3 +71,15 @@ def test_rayjob_runs_the_driver_on_a_cluster_that_holds_it():
     assert Path(command[command.index("--run-dir") + 1]).is_absolute()  # outlives the job's working copy
     nodes = kuberay_nodes(job["spec"]["rayClusterSpec"])
     assert unplaceable(plan(config, config.compute.gpus_per_worker), nodes) is None
+
+
+def test_grafana_dashboard_charts_every_metric():
+    import json
+
+    from rlgate.telemetry import METRICS
+
+    dashboard = json.loads((ROOT / "deploy" / "grafana-dashboard.json").read_text())
+    queries = " ".join(t["expr"] for panel in dashboard["panels"] for t in panel["targets"])
+    uncharted = [name for name in METRICS if f"ray_{name.removesuffix('_total')}" not in queries]
+    assert not uncharted, f"metrics with no panel: {uncharted}"
+    assert all('run=~"$run"' in t["expr"] for panel in dashboard["panels"] for t in panel["targets"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -422,3 +423,36 @@ def test_a_failed_episode_is_saved_as_a_marker_the_trainer_skips(gw):
     assert marker["failed"] and marker["input_ids"] == [] and marker["group_size"] == 2
     bad = httpx.post(f"{gw.url}/rl/end_session", json={"failed": "maybe"}, headers=headers)
     assert bad.status_code == 422 and "failed" in bad.text
+
+
+def test_dashboard_metrics_reach_rays_metrics_endpoint(gw):
+    """The gateway's, sessions', trajectories' and capacity's metrics are on Ray's
+    Prometheus endpoint (what the dashboard and Grafana read), tagged with the run."""
+    import ray
+
+    from rlgate.telemetry import METRICS
+
+    session = gw.start_session("metrics")
+    client(gw, session["api_key"]).chat.completions.create(model="default", messages=ask(), max_tokens=4)
+    httpx.post(f"{gw.url}/rl/end_session", headers=session_headers(session["api_key"]))
+    assert httpx.get(f"{gw.url}/rl/status").status_code == 401
+    keys = []  # fill the gateway (max_concurrent 16) until start_session answers 429, then let them go
+    while (
+        started := httpx.post(f"{gw.url}/rl/start_session", json={"task_id": "fill"}, headers=gw.admin)
+    ).status_code == 200:
+        keys.append(started.json()["api_key"])
+    assert started.status_code == 429 and len(keys) <= 16
+    for key in keys:
+        httpx.post(f"{gw.url}/rl/end_session", headers=session_headers(key))
+    port = next(node["MetricsExportPort"] for node in ray.nodes() if node["Alive"])
+    deadline, missing = time.monotonic() + 90, set(METRICS)
+    while missing and time.monotonic() < deadline:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        missing = {name for name in METRICS if f"{name.removesuffix('_total')}" not in text}
+        time.sleep(1)
+    have = sorted({line.split("{")[0] for line in text.splitlines() if "rlgate" in line and line[0] != "#"})
+    assert not missing, f"not exported: {sorted(missing)}; exported: {have}"
+    lines = [line for line in text.splitlines() if "rlgate_requests" in line and 'run="gw"' in line]
+    assert any('route="/v1/chat/completions"' in line and 'status="200"' in line for line in lines)
+    assert any('route="/rl/status"' in line and 'status="401"' in line for line in lines)
+    assert not any(session["api_key"] in line for line in text.splitlines())
