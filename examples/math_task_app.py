@@ -9,11 +9,10 @@ in the policy's reply is the answer.
 
 from __future__ import annotations
 
-import argparse
 import random
 import re
 
-from rlgate.taskapp import Episode, Outcome, create_task_app
+from rlgate.taskapp import Episode, Outcome, create_task_app, serve
 
 
 def problem(seed: int) -> tuple[str, int]:
@@ -38,10 +37,4 @@ app = create_task_app(
 )
 
 if __name__ == "__main__":
-    import uvicorn
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8201)
-    args = parser.parse_args()
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    serve(app, port=8201, description=__doc__.splitlines()[0])

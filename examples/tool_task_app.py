@@ -13,27 +13,16 @@ The built-in ``tiny-tools`` model has learned to call the calculator.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import operator
 import random
 import re
 
-from rlgate.taskapp import Episode, Outcome, create_task_app
+from rlgate.models import CALCULATOR_TOOL
+from rlgate.taskapp import Episode, Outcome, create_task_app, serve
 
-CALCULATOR = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string"}},
-            "required": ["expression"],
-        },
-    },
-}
+CALCULATOR = CALCULATOR_TOOL  # the tool tiny-tools has learned to call
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
@@ -95,10 +84,4 @@ app = create_task_app(
 )
 
 if __name__ == "__main__":
-    import uvicorn
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8202)
-    args = parser.parse_args()
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    serve(app, port=8202, description=__doc__.splitlines()[0])

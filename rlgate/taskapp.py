@@ -20,7 +20,8 @@ Write one in a few lines with :func:`create_task_app`::
         reply = await episode.chat([{"role": "user", "content": "What is 2 + 2?"}])
         return float(reply.strip() == "4")
 
-    app = create_task_app("add", rollout)     # then: uvicorn module:app
+    app = create_task_app("add", rollout)
+    serve(app, port=8201)                     # or: uvicorn module:app
 """
 
 from __future__ import annotations
@@ -215,6 +216,19 @@ def create_task_app(
         return RolloutResponse(run_id=request.run_id, metrics=metrics, ops_executed=outcome.steps)
 
     return app
+
+
+def serve(app, port: int, description: str = "a task app") -> None:
+    """Run ``app`` with uvicorn; ``--host`` and ``--port`` on the command line override."""
+    import argparse
+
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=port)
+    args = parser.parse_args()
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
 # --- calling a task app ----------------------------------------------------------
