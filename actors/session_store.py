@@ -49,7 +49,7 @@ class SessionStore:
         self._sweep_every = min(10.0, settings["session_timeout_s"] / 4)
         self._sweeper: asyncio.Task | None = None
         self.metrics = Metrics(settings["run_name"])
-        self._reported = dict(self.manager.counters)
+        self._reported, self._ended_by = dict(self.manager.counters), {}
 
     def _report(self) -> None:
         """The manager's counters since the last report, as dashboard metrics."""
@@ -57,12 +57,10 @@ class SessionStore:
         delta = {key: now[key] - before.get(key, 0) for key in now}
         self.metrics.inc("rlgate_sessions_started_total", delta["started"])
         self.metrics.inc("rlgate_sessions_rejected_total", delta["rejected"])
-        by_reason = {"failed": delta["failed"], "timeout": delta["expired"], "refreshed": delta["refreshed"]}
-        by_reason["ended"] = delta["ended"] - sum(by_reason.values())
-        for reason, count in by_reason.items():
-            self.metrics.inc("rlgate_sessions_ended_total", count, reason=reason)
+        for reason, count in self.manager.ended_by.items():
+            self.metrics.inc("rlgate_sessions_ended_total", count - self._ended_by.get(reason, 0), reason=reason)
         self.metrics.set("rlgate_sessions_open", len(self.manager.sessions))
-        self._reported = dict(now)
+        self._reported, self._ended_by = dict(now), dict(self.manager.ended_by)
 
     async def _persist(self, records: list[dict]) -> None:
         await self.trajectories.append.remote(records)

@@ -95,6 +95,7 @@ class SessionManager:
         self._ended: dict[str, float] = {}  # key hash -> when its last session ended (for 410)
         self._refreshing: set[str] = set()
         self._closing: set[str] = set()  # key hashes whose session is being exported now
+        self.ended_by: dict[str, int] = {}  # sessions ended, by reason (ended, failed, refreshed, timeout, ...)
         self.counters = {
             "started": 0,
             "ended": 0,
@@ -208,6 +209,7 @@ class SessionManager:
         self._ended[session.key_hash] = time.time()
         self.counters["exported"] += len(records)
         self.counters["ended"] += 1
+        self.ended_by[reason] = self.ended_by.get(reason, 0) + 1
         self.counters["failed"] += reason == "failed"
         self.counters["evaluated"] += not session.train
         if session.train:

@@ -90,7 +90,7 @@ class Metrics:
 
     def inc(self, name: str, value: float = 1.0, **tags: str) -> None:
         metric = self._get(name)
-        if metric is not None and value:
+        if metric is not None and value > 0:  # a counter only goes up
             metric.inc(value, tags=tags or None)
 
     def set(self, name: str, value: float, **tags: str) -> None:
