@@ -129,7 +129,7 @@ def main() -> int:
             log.log(
                 step,
                 summarise(records, metrics, version, buffer, started, synced)
-                | {"collect_s": started - waited, "failed": buffer.counters.failed}
+                | {"collect_s": started - waited}
                 | evaluation(config, step, url, key),  # held-out seeds, every [evaluation] every_n_iters
             )
             log.batch(step, [r["seq"] for r in records])
@@ -280,7 +280,8 @@ def summarise(records, metrics, version, buffer, started, synced) -> dict:
         "reward_mean": sum(r["reward"] for r in records) / len(records),
         "samples": len({r["session_id"] for r in records}),  # episodes (sessions) trained on
         "records": len(records),  # their training sequences (a turn each with "individual" export)
-        "dropped": buffer.counters.dropped,  # episodes dropped so far: equal rewards, partial, stale
+        "dropped": buffer.counters.dropped,  # episodes dropped so far: equal rewards, partial, stale, failed groups
+        "failed": buffer.counters.failed,  # episodes whose environment errored, so far
         "stale_tokens_dropped": metrics["stale_tokens_dropped"],
         "staleness": sum(sampled) / max(1, len(sampled)),  # versions behind, mean and max over sampled tokens
         "staleness_max": max(sampled, default=0),

@@ -47,12 +47,13 @@ def collect(
         if not warned and buffer.counters.dropped - dropped_before >= 10 * buffer.batch_size:
             warned = True  # e.g. dynamic sampling on a policy that answers every problem the same way
             logger.warning(
-                "%d sessions dropped (equal rewards %d, partial %d, stale %d) while waiting for one batch "
-                "at version %d; no step can be taken from groups like these",
+                "%d sessions dropped (equal rewards %d, partial %d, stale %d, all-failed groups %d) while "
+                "waiting for one batch at version %d; no step can be taken from groups like these",
                 buffer.counters.dropped - dropped_before,
                 buffer.counters.dropped_equal_reward,
                 buffer.counters.dropped_partial,
                 buffer.counters.dropped_stale,
+                buffer.counters.dropped_failed,
                 version,
             )
         if batch is not None:
