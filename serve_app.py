@@ -22,6 +22,7 @@ from actors.gateway import Gateway
 from actors.rollout_server import RolloutServer
 from rlgate.config import RLGateConfig, load_config
 from rlgate.models import BUILTIN_DTYPES, prepare_model
+from rlgate.placement import replica_bundle
 from rlgate.sessions import hash_key
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "serve.toml"
@@ -69,17 +70,19 @@ def _settings(config: RLGateConfig) -> dict:
 
 def build_rollout_app(config: RLGateConfig, initial_version: int = 0) -> Application:
     """The RolloutServer deployment alone (no HTTP): engines behind a Serve handle."""
-    rollout = config.rollout
+    bundle = replica_bundle(config)  # [compute] placement = "split" adds the rlgate_rollout resource
     return RolloutServer.options(
-        num_replicas=rollout.replicas,
-        ray_actor_options={"num_cpus": rollout.num_cpus, "num_gpus": rollout.num_gpus},
+        num_replicas=config.rollout.replicas,
+        ray_actor_options={"num_cpus": bundle.cpus, "num_gpus": bundle.gpus, "resources": bundle.custom()},
     ).bind(_settings(config), resolve_model(config), initial_version)
 
 
 def build_app(config: RLGateConfig, admin_key_hash: str, initial_version: int = 0) -> Application:
     """The Gateway (HTTP ingress) in front of the RolloutServer deployment."""
     engines = build_rollout_app(config, initial_version)
-    return Gateway.options(ray_actor_options={"num_cpus": 0}).bind(
+    # Serve's access log shows raw paths, and a scoped URL's path is a session key: the Gateway logs its own.
+    no_access_log = {"enable_access_log": False}
+    return Gateway.options(ray_actor_options={"num_cpus": 0}, logging_config=no_access_log).bind(
         engines, _settings(config), resolve_model(config), admin_key_hash
     )
 
@@ -118,7 +121,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
     ray.init(address=os.environ.get("RAY_ADDRESS"))
-    serve.start(http_options={"host": host, "port": port})
+    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})  # agents use the head
     serve.run(build_app(config, hash_key(key)), name="rlgate", route_prefix="/")
     url = f"http://{host}:{port}"
     print(f"rlgate: serving {config.served_model_name} at {url} (OpenAI base URL {url}/v1)", flush=True)

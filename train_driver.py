@@ -27,9 +27,11 @@ import ray
 from pydantic import ValidationError
 from ray import serve
 
+from actors.trajectory_store import last_seq
 from rlgate.batching import GroupBuffer
 from rlgate.config import ConfigError, RLGateConfig, dump_config, load_config
 from rlgate.loop import NAMESPACE, Trainer, collect, normaliser, score
+from rlgate.placement import cluster_nodes, plan, unplaceable, worker_bundle
 from rlgate.runlog import RunLog
 from rlgate.sessions import hash_key
 from rlgate.taskapp import TaskAppClient, TaskAppError, environment_key
@@ -60,10 +62,17 @@ def main() -> int:
     if weights is not None:  # engines start on the checkpoint's weights
         config.model.name = str(weights)
 
+    if buffer_state is None:  # a fresh run trains on episodes that finish from now on, the first included
+        buffer_state = {"watermark": last_seq(run_dir / "trajectories"), "done_above": []}
     task_app = check_task_app(config)  # before anything starts: a bad task app fails the run at once
     ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE)
     signal.signal(signal.SIGTERM, interrupted)  # after ray.init, which sets its own: `ray job stop` acts as Ctrl-C
     run = f"rlgate-{config.gateway.run_name}"
+    gpus = trainer_gpus(config)
+    bundles = plan(config, gpus)
+    problem = unplaceable(bundles, cluster_nodes(len(bundles)))  # fail now, not wait forever for resources
+    if problem:
+        raise SystemExit(f"rlgate: {problem}")
     if not args.resume:
         forget_earlier_run(run)
     url, key = serve_gateway(config, version)
@@ -77,9 +86,6 @@ def main() -> int:
         partial_groups=training.partial_groups,
         drop_equal_reward_groups=algorithm["drop_equal_reward_groups"],
     )
-    if buffer_state is None:  # a fresh run trains on episodes that finish from now on
-        last = ray.get(trajectories.stats.remote())["trajectories"]
-        buffer_state = {"watermark": last, "done_above": []}
     buffer = GroupBuffer.restore(buffer_state, **buffer_settings)
     trainer = Trainer(
         {
@@ -89,8 +95,7 @@ def main() -> int:
             "policy": f"{run}-policy",
         },
         config.compute.trainer_workers,
-        trainer_gpus(config),
-        config.compute.cpus_per_worker,
+        worker_bundle(config, gpus).as_ray(),  # [compute] placement = "split" adds rlgate_trainer
         storage=run_dir,
         name="trainer",
         first_command=first_command,
@@ -171,7 +176,10 @@ def serve_gateway(config: RLGateConfig, version: int) -> tuple[str, str]:
     host, port, prefix = gateway.host, gateway.port, gateway.route_prefix
     key, generated = admin_key(host)
     quiet = {"enable_access_log": False}  # a line per request would bury the progress bar
-    serve.start(http_options={"host": host, "port": port}, logging_config=quiet)
+    if "access_log" not in gateway.model_fields_set:
+        gateway.access_log = False
+    # One proxy, on the head: agents use one address (a proxy per node would also collide on a shared host).
+    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port}, logging_config=quiet)
     app = build_app(config, hash_key(key), initial_version=version)
     serve.run(app, name=app_name(config), route_prefix=prefix, logging_config=quiet)
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}{prefix.rstrip('/')}"

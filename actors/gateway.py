@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -108,6 +109,8 @@ async def _limit_body(request: Request, call_next):
 
 
 app.state.max_body_bytes = 4 * 2**20
+app.state.access_log = False  # [gateway] access_log, set by Gateway.__init__
+access_log = logging.getLogger("ray.serve")  # into the replica's log, beside Serve's own lines
 app.state.metrics = None  # the replica's rlgate.telemetry.Metrics, set by Gateway.__init__
 
 
@@ -116,11 +119,15 @@ async def _measure(request: Request, call_next):
     """Requests and latency (to the first byte) per route template: a scoped URL's key stays out."""
     started = time.monotonic()
     response = await call_next(request)
+    elapsed = time.monotonic() - started
+    route = getattr(request.scope.get("route"), "path", "unmatched")
+    # Serve's own access log is off for the Gateway: it logs raw paths, and a scoped URL's path holds a key.
+    if request.app.state.access_log:
+        access_log.info("%s %s %d %.1fms", request.method, route, response.status_code, elapsed * 1000)
     metrics = request.app.state.metrics
     if metrics is not None:
-        route = getattr(request.scope.get("route"), "path", "unmatched")
         metrics.inc("rlgate_requests_total", route=route, status=str(response.status_code))
-        metrics.observe("rlgate_request_seconds", time.monotonic() - started, route=route)
+        metrics.observe("rlgate_request_seconds", elapsed, route=route)
     return response
 
 
@@ -336,6 +343,7 @@ class Gateway:
         self.settings = RLGateConfig.model_validate(config)
         gateway = self.settings.gateway
         app.state.max_body_bytes = gateway.max_body_bytes
+        app.state.access_log = gateway.access_log
         app.state.metrics = Metrics(gateway.run_name)
         self.rollout = rollout
         self.admin_key_hash = admin_key_hash
@@ -543,7 +551,9 @@ class Gateway:
     @app.get("/v1/models")
     @app.get("/models")
     async def models(self, authorization: str | None = Header(None)):
-        _bearer(authorization)
+        key = _bearer(authorization)
+        if not self._is_admin(key):  # a live session's key or the admin's, like every other OpenAI route
+            await self._call(self.sessions.check.remote(hash_key(key)))
         created = int(time.time())
         return {
             "object": "list",

@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 from rlgate import jobs
 from rlgate.config import ConfigError, dump_config
-from rlgate.placement import plan, unplaceable
+from rlgate.placement import cluster_nodes, plan, unplaceable
 from rlgate.sessions import SessionError, hash_key, same_secret
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,12 +106,12 @@ class JobManager:
 
     def _job(self, job_id: str, key: str | None) -> jobs.Job:
         self._ensure_watcher()
+        if key is not None and hash_key(key) not in self.keys.values():  # before 404: ids are not for strangers
+            raise SessionError(401, "invalid API key: use the admin key or this job's own key")
         if job_id not in self.jobs:
             raise SessionError(404, f"no job {job_id!r}")
         if key is not None and not same_secret(hash_key(key), self.keys[job_id]):
-            if hash_key(key) in self.keys.values():
-                raise SessionError(403, "this key belongs to another job")
-            raise SessionError(401, "invalid API key: use the admin key or this job's own key")
+            raise SessionError(403, "this key belongs to another job")
         return self.jobs[job_id]
 
     # --- the routes' calls ---------------------------------------------------------------
@@ -131,8 +131,8 @@ class JobManager:
         except ConfigError as err:
             raise SessionError(422, f"invalid job config: {err}") from None
         gpus = config.compute.gpus_per_worker if config.compute.gpus_per_worker is not None else 0.0
-        nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
-        problem = unplaceable(plan(config, gpus), nodes)
+        bundles = plan(config, gpus)
+        problem = unplaceable(bundles, cluster_nodes(len(bundles)))  # nodes alive or the autoscaler may add
         if problem:
             raise SessionError(422, problem)
         job_id = "job-" + secrets.token_hex(6)
@@ -143,6 +143,7 @@ class JobManager:
         gateway = config.gateway
         gateway.run_name, gateway.run_dir = job_id, str(self._run_dir(job_id).parent)
         gateway.host, gateway.port, gateway.route_prefix = self.gateway["host"], self.gateway["port"], f"/jobs/{job_id}"
+        gateway.access_log = False  # a line per request would bury the job's log
         config.tags = {**config.tags, **{str(k): str(v) for k, v in request.tags.items()}}
         dump_config(config, self._folder(job_id) / "config.toml")
         self.jobs[job_id] = jobs.Job(

@@ -23,6 +23,15 @@ from rlgate.telemetry import Metrics
 SEGMENT_BYTES = 64 * 2**20
 
 
+def last_seq(folder: str | Path) -> int:
+    """The last sequence number written under ``folder`` (0 if none), read without
+    touching the files (a store may be writing them)."""
+    segments = sorted(Path(folder).glob("part-*.jsonl"))
+    complete = segments[-1].read_bytes().rsplit(b"\n", 1)[0] if segments else b""
+    lines = complete.splitlines()
+    return json.loads(lines[-1])["seq"] if lines else 0
+
+
 class TrajectoryFiles:
     """The on-disk log: ``part-<first seq>.jsonl`` files, one JSON record per line,
     each with a ``seq`` (1, 2, ...). Appends are flushed and fsync'd."""

@@ -56,6 +56,15 @@ class RolloutConfig(_Section):
         "or CUDA IPC (GPU, trainer and engine on the same GPU).",
     )
 
+    @model_validator(mode="after")
+    def _shards_on_own_gpus(self) -> RolloutConfig:
+        if self.num_gpus and self.tensor_parallel_size > 1 and self.num_gpus != self.tensor_parallel_size:
+            raise ValueError(
+                f"a replica's engine shards over tensor_parallel_size ({self.tensor_parallel_size}) GPUs of one "
+                f"node, so num_gpus ({self.num_gpus:g}) must equal it"
+            )
+        return self
+
 
 class GatewayConfig(_Section):
     host: str = Field("127.0.0.1", min_length=1, description="Address the HTTP server binds.")
@@ -91,6 +100,11 @@ class GatewayConfig(_Section):
         "auto", description="Tool-call format; auto detects it from the chat template."
     )
     max_running_jobs: int = Field(1, ge=1, le=1000, description="RL jobs (/api/rl/jobs) run at once; more wait queued.")
+    access_log: bool = Field(
+        True,
+        description="Log one line per request: method, route template (never the raw path: a scoped URL's "
+        "path holds a session key), status, milliseconds. train_driver.py turns it off unless set.",
+    )
     max_body_bytes: int = Field(4 * 2**20, ge=1024, description="Largest request body (413 beyond).")
     max_messages: int = Field(1024, ge=1, description="Most messages in one chat request.")
     max_n: int = Field(16, ge=1, le=128, description="Most choices per request.")
@@ -188,6 +202,12 @@ class ComputeConfig(_Section):
         "for every worker beyond those the rollout replicas take, else 0.",
     )
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs per trainer worker.")
+    placement: Literal["shared", "split"] = Field(
+        "shared",
+        description="shared: replicas and workers go wherever their resources fit (fractional GPUs co-locate "
+        "them); split: replicas only on nodes offering the rlgate_rollout resource, workers only on nodes "
+        "offering rlgate_trainer.",
+    )
     rollout_replicas: int | None = Field(
         None, ge=1, description="RolloutServer replicas; the same as [rollout] replicas (set one of them)."
     )

@@ -92,8 +92,7 @@ class Trainer:
         self,
         setup: dict,
         workers: int,
-        gpus_per_worker: float,
-        cpus_per_worker: float,
+        resources_per_worker: dict[str, float],
         storage: Path,
         name: str,
         first_command: int = 0,
@@ -106,13 +105,14 @@ class Trainer:
         from actors.trainer import train_worker
 
         self.channel = TrainChannel.options(name=setup["channel"], namespace=NAMESPACE).remote(first_command)
-        resources = {"CPU": cpus_per_worker} | ({"GPU": gpus_per_worker} if gpus_per_worker else {})
         self.workers = workers
         self._trainer = TorchTrainer(
             train_worker,
             train_loop_config=setup,
             scaling_config=ScalingConfig(
-                num_workers=workers, use_gpu=gpus_per_worker > 0, resources_per_worker=resources
+                num_workers=workers,
+                use_gpu=resources_per_worker.get("GPU", 0) > 0,
+                resources_per_worker=resources_per_worker,
             ),
             run_config=RunConfig(
                 name=name,

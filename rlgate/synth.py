@@ -132,11 +132,10 @@ def from_synth(data: dict, source: str = "config") -> dict:
     ):
         if m.get("training", key) not in (None, "off"):
             m.refuse(f"training.{key}", "step rewards are not supported; the task app's outcome reward is used")
-    # [compute] and [topology]
-    _map_compute(m)
-    # [vllm]
+    # [vllm], then [compute] and [topology] (whose tensor_parallel wins)
     for key in ("max_model_len", "gpu_memory_utilization", "tensor_parallel_size"):
         m.put("rollout", key, m.get("vllm", key))
+    _map_compute(m)
     # [evaluation]
     seeds = m.get("evaluation", "seeds")
     m.put("evaluation", "seeds", seeds)
@@ -193,8 +192,11 @@ def _map_compute(m: _Mapper) -> None:
             "topology",
             f"gpus_for_vllm + gpus_for_training ({for_vllm + for_training}) exceed compute.gpu_count ({gpus})",
         )
-    m.put("rollout", "num_gpus", min(for_vllm, 1))
-    m.put("rollout", "replicas", max(1, int(for_vllm)))
+    shards = int(m.out.get("rollout", {}).get("tensor_parallel_size", 1))
+    if for_vllm >= 1 and (for_vllm < shards or for_vllm % shards):
+        m.refuse("topology", f"gpus_for_vllm ({for_vllm}) must be a multiple of tensor_parallel ({shards})")
+    m.put("rollout", "num_gpus", shards if for_vllm >= 1 else for_vllm)  # a replica holds its shards
+    m.put("rollout", "replicas", max(1, int(for_vllm) // shards))
     if for_training >= 1:
         m.put("compute", "trainer_workers", int(for_training))
         m.put("compute", "gpus_per_worker", 1)

@@ -3,6 +3,7 @@ cluster.yaml (Ray cluster launcher), deploy/rayservice.yaml and deploy/rayjob.ya
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 
@@ -15,19 +16,21 @@ from rlgate.placement import plan, unplaceable
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def pod_resources(template: dict) -> dict[str, float]:
-    """What Ray sees on a KubeRay pod: its container's CPU and GPU limits."""
-    limits = template["spec"]["containers"][0]["resources"]["limits"]
-    return {"CPU": float(limits["cpu"]), "GPU": float(limits.get("nvidia.com/gpu", 0))}
+def pod_resources(group: dict) -> dict[str, float]:
+    """What Ray sees on a KubeRay pod: its container's CPU and GPU limits, and the
+    custom resources of its rayStartParams (KubeRay's quoted JSON string)."""
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    custom = group["rayStartParams"].get("resources")
+    return {
+        "CPU": float(limits["cpu"]),
+        "GPU": float(group["rayStartParams"].get("num-gpus", limits.get("nvidia.com/gpu", 0))),
+        **(json.loads(json.loads(custom)) if custom else {}),
+    }
 
 
 def kuberay_nodes(cluster: dict) -> list[dict[str, float]]:
-    head = pod_resources(cluster["headGroupSpec"]["template"])
-    head["GPU"] = float(cluster["headGroupSpec"]["rayStartParams"].get("num-gpus", head["GPU"]))
-    workers = [
-        pod_resources(group["template"]) for group in cluster["workerGroupSpecs"] for _ in range(group["maxReplicas"])
-    ]
-    return [head, *workers]
+    workers = [pod_resources(group) for group in cluster["workerGroupSpecs"] for _ in range(group["maxReplicas"])]
+    return [pod_resources(cluster["headGroupSpec"]), *workers]
 
 
 def test_cluster_yaml_node_types_hold_the_cluster_config():
@@ -74,7 +77,6 @@ def test_rayjob_runs_the_driver_on_a_cluster_that_holds_it():
 
 
 def test_grafana_dashboard_charts_every_metric():
-    import json
 
     from rlgate.telemetry import METRICS
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from rlgate.config import parse_config
-from rlgate.placement import Bundle, plan, unplaceable
+import pytest
+
+from rlgate.config import ConfigError, parse_config
+from rlgate.placement import TRAINER_RESOURCE, Bundle, autoscaler_nodes, launcher_node_types, plan, unplaceable
 
 
 def config(**sections):
@@ -40,3 +42,44 @@ def test_what_can_never_be_placed_says_what_is_missing():
     assert unplaceable(plan(config(compute={"cpus_per_worker": 3}), 0), [{"CPU": 2}]) == (
         "the cluster can never run this: it needs 4 CPU in all (the cluster has 2)"
     )
+
+
+def test_split_placement_keeps_replicas_and_workers_on_their_own_nodes():
+    split = config(compute={"placement": "split", "trainer_workers": 2})
+    bundles = plan(split, trainer_gpus=0)
+    assert bundles[0].as_ray() == {"CPU": 1.0, "rlgate_rollout": 0.001}
+    assert bundles[1].as_ray() == {"CPU": 1.0, TRAINER_RESOURCE: 0.001}
+    rollout_node, trainer_node = {"CPU": 2, "rlgate_rollout": 1}, {"CPU": 2, TRAINER_RESOURCE: 1}
+    assert unplaceable(bundles, [rollout_node, trainer_node]) is None
+    # the same CPUs without the trainer label: the workers have nowhere to go, though CPUs are free
+    message = unplaceable(bundles, [rollout_node, {"CPU": 8}])
+    assert message.startswith('[compute] placement = "split" puts trainer bundles only on nodes offering')
+    assert "ray start --resources='{\"rlgate_trainer\": 1}'" in message
+    # labelled, but too small for two workers beside nothing else
+    message = unplaceable(bundles, [rollout_node, {"CPU": 1, TRAINER_RESOURCE: 1}, {"CPU": 8}])
+    assert message.startswith("no node offering `rlgate_trainer` can hold a trainer bundle of 1 CPU and 0 GPU")
+    # shared placement puts the same bundles anywhere they fit
+    assert unplaceable(plan(config(compute={"trainer_workers": 2}), 0), [{"CPU": 3}]) is None
+
+
+def test_a_replica_holds_all_its_tensor_parallel_gpus():
+    assert plan(config(rollout={"num_gpus": 2, "tensor_parallel_size": 2}), 0)[0].gpus == 2
+    with pytest.raises(ConfigError, match=r"num_gpus \(1\) must equal it"):
+        config(rollout={"num_gpus": 1, "tensor_parallel_size": 2})
+
+
+def test_nodes_the_autoscaler_may_add_count_as_placeable():
+    import yaml
+
+    from tests.test_deploy import ROOT
+
+    launcher = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    types = launcher_node_types(launcher)  # the worker types, at their most
+    assert sorted(most for _, most in types) == [2, 4]
+    head_only = [launcher["available_node_types"]["head"]["resources"]]
+    run = plan(config(rollout={"num_gpus": 1}, compute={"trainer_workers": 4, "placement": "split"}), 1)
+    assert unplaceable(run, head_only + autoscaler_nodes(types, len(run))) is None  # the GPU nodes may come
+    assert "no node does" in unplaceable(run, head_only)  # were they never to come
+    assert "needs 5 GPU in all (the cluster has 0)" in unplaceable(plan(config(rollout={"num_gpus": 1}), 4), head_only)
+    unbounded = autoscaler_nodes([({"CPU": 4, "GPU": 1}, -1)], bundles=5)
+    assert unbounded == [{"CPU": 4, "GPU": 1}] * 5

@@ -75,6 +75,16 @@ def test_episodes_per_batch_is_the_batch_size_when_training_has_none():
             6,
             1,
         ),
+        (  # two tensor-parallel replicas of two GPUs each
+            {
+                "compute": {"gpu_type": "H100", "gpu_count": 8},
+                "topology": {"gpus_for_vllm": 4, "gpus_for_training": 4, "tensor_parallel": 2},
+            },
+            2,
+            2,
+            4,
+            1,
+        ),
     ],
 )
 def test_gpus_are_split_between_rollouts_and_training(compute, rollout_gpus, replicas, workers, per_worker):
@@ -103,6 +113,16 @@ def test_gpus_are_split_between_rollouts_and_training(compute, rollout_gpus, rep
                 "compute__gpu_count": 4,
             },
             r"topology: gpus_for_vllm \+ gpus_for_training \(8\) exceed",
+        ),
+        (
+            {
+                "topology__gpus_for_vllm": 3,
+                "topology__gpus_for_training": 4,
+                "topology__tensor_parallel": 2,
+                "compute__gpu_type": "H100",
+                "compute__gpu_count": 8,
+            },
+            r"topology: gpus_for_vllm \(3\) must be a multiple of tensor_parallel \(2\)",
         ),
     ],
 )

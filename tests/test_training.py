@@ -265,6 +265,26 @@ def test_bad_configs_and_overrides_are_one_line_errors(tmp_path):
     assert bad_name.returncode != 0 and "run_name" in bad_name.stderr and "Traceback" not in bad_name.stderr
 
 
+def test_a_run_the_cluster_can_never_hold_stops_before_anything_is_deployed(tmp_path):
+    path = tmp_path / "gpu.toml"
+    path.write_text(f"""
+[model]
+name = "tiny-random"
+[rollout]
+num_gpus = 1
+[gateway]
+run_name = "needs-a-gpu"
+run_dir = "{tmp_path / "runs"}"
+port = {free_port()}
+[task]
+builtin = "vowels"
+""")
+    done = train(path)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "rlgate: the cluster can never run this: it needs 1 GPU in all (the cluster has 0)" in done.stderr
+    assert "gateway at" not in done.stdout  # nothing was served
+
+
 def task_app_config(tmp_path, task_url: str, total_steps: int = 2, down_after_s: float = 120) -> Path:
     path = tmp_path / "taskapp.toml"
     path.write_text(f"""

@@ -53,3 +53,16 @@ def test_segments_roll_over_and_a_torn_line_is_cut_on_recovery(tmp_path):
     again = TrajectoryFiles(tmp_path, segment_bytes=64)
     assert again.last_seq == 8 and again.append(session("e", 1)) == [9]
     assert [r["session_id"] for r in again.read(8, 100)] == ["e"]
+
+
+def test_last_seq_reads_the_log_without_touching_it(tmp_path):
+    from actors.trajectory_store import last_seq
+
+    assert last_seq(tmp_path / "none") == 0
+    files = TrajectoryFiles(tmp_path, segment_bytes=200)
+    files.append([{"reward": float(i), "pad": "x" * 80} for i in range(5)])
+    segment = files.segments()[-1]
+    with open(segment, "ab") as handle:
+        handle.write(b'{"seq": 6, "reward": 1')  # a write in progress
+    before = segment.read_bytes()
+    assert last_seq(tmp_path) == 5 and segment.read_bytes() == before
