@@ -73,6 +73,8 @@ def build_rollout_app(config: RLGateConfig, initial_version: int = 0) -> Applica
     bundle = replica_bundle(config)  # [compute] placement = "split" adds the rlgate_rollout resource
     return RolloutServer.options(
         num_replicas=config.rollout.replicas,
+        max_ongoing_requests=config.rollout.max_ongoing_requests,  # per replica, then
+        max_queued_requests=config.rollout.max_queued_requests,  # per caller, then BackPressureError (503)
         ray_actor_options={"num_cpus": bundle.cpus, "num_gpus": bundle.gpus, "resources": bundle.custom()},
     ).bind(_settings(config), resolve_model(config), initial_version)
 

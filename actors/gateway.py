@@ -33,6 +33,8 @@ from openai.types.chat.chat_completion_message_tool_call import ChatCompletionMe
 from openai.types.completion_choice import Logprobs
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.capacity import get_or_create_capacity
 from actors.job_manager import get_or_create_job_manager
@@ -83,6 +85,13 @@ def error_response(status: int, message: str, param: str | None = None, retry_af
 @app.exception_handler(HTTPError)
 async def _http_error(_, err: HTTPError):
     return error_response(err.status, err.message, err.param, err.retry_after)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _no_route(_, err: StarletteHTTPException):
+    """No such route (404) or method (405), in the same error shape as everything else."""
+    message = {404: "no such route", 405: "method not allowed on this route"}.get(err.status_code, str(err.detail))
+    return error_response(err.status_code, message)
 
 
 @app.exception_handler(SessionError)
@@ -150,6 +159,13 @@ class _ServiceDown(HTTPError):
 
 # Helpers used by the Gateway's methods are defined before the class: Serve's
 # ingress decorator serialises the class as soon as it is defined.
+
+
+async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator:
+    for item in first:
+        yield item
+    async for item in rest:
+        yield item
 
 
 def _choice_id(completion_id: str, index: int) -> str:
@@ -251,9 +267,9 @@ class _Turn:
         )
         return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
 
-    async def stream(self, params: SamplingParams) -> AsyncIterator[str]:
-        """Server-sent events: text as tokens arrive, tool calls once complete,
-        the interactions recorded before the usage chunk and ``[DONE]``."""
+    async def stream(self, params: SamplingParams, chunks: AsyncIterator) -> AsyncIterator[str]:
+        """Server-sent events from the engine's ``chunks``: text as tokens arrive, tool
+        calls once complete, the interactions recorded before the usage chunk and ``[DONE]``."""
         from rlgate.engines.base import Completion as EngineCompletion
 
         n = params.n
@@ -264,7 +280,7 @@ class _Turn:
         try:
             for i in range(n):
                 yield self._chunk([ChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=""))])
-            async for chunk in self.g._generate(self.prompt_ids, params):
+            async for chunk in chunks:
                 i = chunk.index
                 done[i].add(chunk)
                 text = texts[i].push(chunk.token_ids)
@@ -570,6 +586,7 @@ class Gateway:
     @app.get("/s/{session_key}/v1/models")
     @app.get("/s/{session_key}/models")
     async def scoped_models(self, session_key: str):
+        self._session_key(f"Bearer {session_key}")  # the admin key never goes in a URL (400)
         return await self.models(authorization=f"Bearer {session_key}")
 
     @app.post("/s/{session_key}/v1/chat/completions")
@@ -619,6 +636,12 @@ class Gateway:
 
     def _engine_error(self, err: BaseException) -> HTTPError:
         """An engine failure as the HTTP answer: bad input 400, anything else 503."""
+        if isinstance(err, BackPressureError):
+            return HTTPError(
+                503,
+                "the rollout engines are saturated (every replica busy, the queue full); retry shortly",
+                retry_after=1,
+            )
         cause = _cause(err)
         if isinstance(cause, EngineInputError):
             return HTTPError(400, str(cause))
@@ -632,14 +655,22 @@ class Gateway:
         try:
             async for chunk in stream:
                 yield chunk
-        except (RayTaskError, RayActorError, RuntimeError) as err:
+        except (RayTaskError, RayActorError, RuntimeError, BackPressureError) as err:
             raise self._engine_error(err) from None
+
+    async def _started(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator:
+        """The engine's chunks, once it has produced the first."""
+        chunks = self._generate(prompt_ids, params)
+        try:
+            return _chain([await anext(chunks)], chunks)
+        except StopAsyncIteration:
+            return _chain([], chunks)
 
     async def _generate_all(self, prompt_ids: list[int], params: SamplingParams) -> list:
         """Whole completions in one engine reply, for non-streaming responses."""
         try:
             return await self.rollout.generate_all.remote(prompt_ids, params.model_dump())
-        except (RayTaskError, RayActorError, RuntimeError) as err:
+        except (RayTaskError, RayActorError, RuntimeError, BackPressureError) as err:
             raise self._engine_error(err) from None
 
     @app.post("/v1/chat/completions")
@@ -662,7 +693,7 @@ class Gateway:
         keys = exchange_keys(messages, tools)
         candidates = [keys[i] for i, m in enumerate(messages) if m["role"] == "assistant"]
         session_id, parent = await self._call(self.sessions.begin.remote(key_hash, candidates))
-        turn = None
+        turn, streaming = None, False
         try:  # from here the request is in flight in its session until recorded or abandoned
             prompt_ids = None
             if parent is not None:
@@ -681,10 +712,13 @@ class Gateway:
             use_tools = self.tool_parser is not None and tools is not None and request.tool_choice != "none"
             turn = _Turn(self, request, session_id, prompt_ids, parent_id, keys[-1], use_tools)
             if request.stream:
-                return StreamingResponse(turn.stream(params), media_type="text/event-stream")  # the stream owns it now
+                # nothing is sent before the engine's first token: a refusal (saturated, down) is a status code
+                chunks = await self._started(prompt_ids, params)
+                streaming = True  # the stream owns the turn now
+                return StreamingResponse(turn.stream(params, chunks), media_type="text/event-stream")
             return await turn.complete(params)
         finally:
-            if turn is None or not (turn.recorded or request.stream):
+            if not streaming and (turn is None or not turn.recorded):
                 self.sessions.abandon.remote(session_id)
 
     @app.post("/v1/completions")

@@ -47,6 +47,15 @@ class RolloutConfig(_Section):
     )
     kv_cache_gib: float = Field(1.0, gt=0, le=1024, description="vLLM on CPU: KV-cache size in GiB.")
     max_batch_size: int = Field(64, ge=1, le=4096, description="HF engine: most sequences decoded together.")
+    max_ongoing_requests: int = Field(
+        512, ge=1, le=100_000, description="Requests one replica's engine works on at once; more wait in a queue."
+    )
+    max_queued_requests: int = Field(
+        1024,
+        ge=1,
+        le=1_000_000,
+        description="Requests a gateway replica holds waiting for an engine; beyond, 503 with Retry-After.",
+    )
     request_log_size: int = Field(
         0, ge=0, le=100_000, description="Keep the last N requests as the engine saw them (0: off)."
     )

@@ -158,3 +158,50 @@ def test_a_crashed_engine_gives_503_then_serve_replaces_it(clean):
         pytest.fail("the engine did not come back within 300 s")
     assert httpx.get(f"{clean.url}/health").json()["status"] == "ok"
     assert end(clean, session["api_key"]) == 200
+
+
+@pytest.fixture(scope="module")
+def tight(ray_session, tmp_path_factory):
+    """A gateway whose one engine takes 1 request at a time and 1 more waiting."""
+    from ray import serve
+
+    settings = {
+        "model": {"name": "tiny-random"},
+        "rollout": {"engine": "hf", "max_model_len": 512, "max_ongoing_requests": 1, "max_queued_requests": 1},
+    }
+    app = start_gateway(ray_session, tmp_path_factory, "gw-tight", settings)
+    yield app
+    serve.delete("gw-tight")
+
+
+def test_a_saturated_engine_answers_503_with_retry_after_at_once_then_recovers(tight):
+    sessions = [tight.start_session(f"load{i}") for i in range(8)]
+
+    def ask(i: int) -> httpx.Response:
+        body = {
+            "model": "tiny-random",
+            "messages": [{"role": "user", "content": "count"}],
+            "max_tokens": 200,
+            "stream": i % 2 == 1,  # streaming requests are refused the same way: before anything is sent
+        }
+        headers = {"Authorization": f"Bearer {sessions[i]['api_key']}"}
+        return httpx.post(f"{tight.url}/v1/chat/completions", json=body, headers=headers, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(len(sessions)) as pool:
+        answers = list(pool.map(ask, range(len(sessions))))
+    codes = [a.status_code for a in answers]
+    assert set(codes) <= {200, 503} and 200 in codes and 503 in codes, codes
+    for answer in answers:
+        if answer.status_code == 503:
+            assert int(answer.headers["Retry-After"]) >= 1 and answer.elapsed.total_seconds() < 30
+            assert "saturated" in answer.json()["error"]["message"]
+        elif answer.headers["content-type"].startswith("text/event-stream"):
+            assert answer.text.rstrip().endswith("data: [DONE]")
+    # a refused request recorded nothing, and its session goes on: it is asked again and answered
+    for session in sessions:
+        assert chat(tight, session["api_key"]).usage.completion_tokens > 0
+        assert end(tight, session["api_key"]) == 200
+    turns = {s["session_id"]: 0 for s in sessions}
+    for record in tight.trajectories():  # one record per turn ("individual" export)
+        turns[record["session_id"]] += len(record["interaction_ids"])
+    assert [turns[s["session_id"]] for s in sessions] == [1 + (code == 200) for code in codes]

@@ -134,8 +134,8 @@ def test_every_route_answers_every_credential_as_intended_and_no_key_leaks(sec, 
             want = expected.get(credential, expected["*"])
             if response.status_code != want:
                 wrong.append(f"{method} {path} with {credential}: {response.status_code}, wanted {want}")
-            if response.status_code >= 400 and path != "/health":
-                assert response.json()["error"]["message"], f"{method} {path}: an error needs a message"
+            if response.status_code >= 400 and not response.json().get("error", {}).get("message"):
+                wrong.append(f"{method} {path} with {credential}: no error message in {response.text[:200]}")
             if path == "/rl/start_session" and response.status_code == 200:
                 ended_key = response.json()["api_key"]
                 httpx.post(f"{sec.url}/rl/end_session", headers={"Authorization": f"Bearer {ended_key}"})
