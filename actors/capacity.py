@@ -104,6 +104,13 @@ class CapacityActor:
             self._changed.notify_all()
             self._report()
 
+    async def reconcile(self, running: int) -> None:
+        """The SessionStore (re)started holding ``running`` open sessions: that is the count."""
+        async with self._changed:
+            self.running = running
+            self._changed.notify_all()
+            self._report()
+
     async def grant(
         self, batch_size: int, max_staleness: int, group_size: int = 1, group_timeout_s: float = 600.0
     ) -> None:

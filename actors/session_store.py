@@ -6,16 +6,21 @@ Gateway replica: ``start``/``end`` on the session routes, ``begin``/``record``
 around each completion, ``set_reward``. When a session ends (explicitly, by
 refresh, or idle past the timeout) its trajectory is exported to the
 TrajectoryStore, which has it on disk before the ending call returns.
-Owns: the :class:`rlgate.sessions.SessionManager` state (in memory; see the
-reliability notes for restarts). Never sees raw keys, only their SHA-256.
+Owns: the :class:`rlgate.sessions.SessionManager` state, in memory and in a
+journal (``<run_dir>/sessions/journal.jsonl``): Ray restarts a store that
+died, in place (the Gateways' handles stay good), and the new one takes back
+every open session from the journal and tells the CapacityActor how many slots
+they hold. Never sees raw keys, only their SHA-256.
 """
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import ray
 
+from rlgate.journal import SessionJournal
 from rlgate.sessions import Parent, SessionManager, sweep
 from rlgate.telemetry import Metrics
 from rlgate.trajectory import Interaction
@@ -34,7 +39,7 @@ class _CapacityClient:
         await self.actor.release.remote(accepted)
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)  # calls in flight at a crash fail (503), not replay
 class SessionStore:
     def __init__(self, capacity, trajectories, settings: dict) -> None:
         self.trajectories = trajectories
@@ -45,7 +50,11 @@ class SessionStore:
             turn_discount=settings["turn_discount"],
             session_timeout_s=settings["session_timeout_s"],
             refresh_timeout_s=settings["refresh_timeout_s"],
+            journal=SessionJournal(Path(settings["run_dir"]) / "sessions" / "journal.jsonl"),
         )
+        # Sessions of an earlier incarnation (a crash, or the whole app restarted) hold their
+        # slots again; slots taken by calls that died with it are given back.
+        capacity.reconcile.remote(self.manager.restore())
         self._sweep_every = min(10.0, settings["session_timeout_s"] / 4)
         self._sweeper: asyncio.Task | None = None
         self.metrics = Metrics(settings["run_name"])

@@ -21,6 +21,7 @@ import ray
 from rlgate.telemetry import Metrics
 
 SEGMENT_BYTES = 64 * 2**20
+RECENT_SESSIONS = 100_000
 
 
 def last_seq(folder: str | Path) -> int:
@@ -34,7 +35,12 @@ def last_seq(folder: str | Path) -> int:
 
 class TrajectoryFiles:
     """The on-disk log: ``part-<first seq>.jsonl`` files, one JSON record per line,
-    each with a ``seq`` (1, 2, ...). Appends are flushed and fsync'd."""
+    each with a ``seq`` (1, 2, ...). Appends are flushed and fsync'd.
+
+    A session is saved once: an export of a session the log already holds (a
+    SessionStore that crashed after saving it, before noting so, ends it again)
+    is skipped. The log remembers the sessions of its last segment and of
+    everything appended since it was opened (:data:`RECENT_SESSIONS` at most)."""
 
     def __init__(self, folder: str | Path, segment_bytes: int = SEGMENT_BYTES) -> None:
         self.folder = Path(folder)
@@ -43,6 +49,10 @@ class TrajectoryFiles:
         self.last_seq = 0
         for path in self.segments():
             self.last_seq = max(self.last_seq, self._recover(path))
+        self.recent: dict[str, None] = {}  # session ids, oldest first
+        for path in self.segments()[-1:]:
+            with open(path, encoding="utf-8") as handle:
+                self._remember(json.loads(line).get("session_id") for line in handle)
 
     def segments(self) -> list[Path]:
         return sorted(self.folder.glob("part-*.jsonl"))
@@ -58,7 +68,16 @@ class TrajectoryFiles:
         lines = data.splitlines()
         return json.loads(lines[-1])["seq"] if lines else 0
 
+    def _remember(self, session_ids) -> None:
+        for session_id in session_ids:
+            self.recent[session_id] = None
+        while len(self.recent) > RECENT_SESSIONS:
+            del self.recent[next(iter(self.recent))]
+
     def append(self, records: list[dict]) -> list[int]:
+        """Save records (one session's export); [] if that session is saved already."""
+        if records and records[0].get("session_id") is not None and records[0]["session_id"] in self.recent:
+            return []
         segments = self.segments()
         path = segments[-1] if segments else None
         if path is None or path.stat().st_size >= self.segment_bytes:
@@ -72,6 +91,7 @@ class TrajectoryFiles:
             handle.flush()
             os.fsync(handle.fileno())
         self.last_seq = seqs[-1] if seqs else self.last_seq
+        self._remember(record.get("session_id") for record in records)
         return seqs
 
     def read(self, since: int, limit: int) -> list[dict]:

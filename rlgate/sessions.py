@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
+from rlgate.journal import SessionJournal
 from rlgate.trajectory import ExportStyle, Interaction, SessionTrajectory
 
 # A request still generating keeps its session from idling out, but no longer
@@ -85,8 +86,9 @@ class SessionManager:
         session_timeout_s: float = 3600.0,
         refresh_timeout_s: float = 120.0,
         retry_after_s: float = 5.0,
+        journal: SessionJournal | None = None,
     ) -> None:
-        self.capacity, self.persist = capacity, persist
+        self.capacity, self.persist, self.journal = capacity, persist, journal
         self.export_style, self.turn_discount = export_style, turn_discount
         self.session_timeout_s, self.refresh_timeout_s = session_timeout_s, refresh_timeout_s
         self.retry_after_s = retry_after_s
@@ -106,6 +108,28 @@ class SessionManager:
             "exported": 0,
             "evaluated": 0,
         }
+
+    def restore(self) -> int:
+        """Take back the journal's open sessions and ended keys (after a restart);
+        returns how many open training sessions hold a capacity slot."""
+        if self.journal is None:
+            return 0
+        sessions, ended = self.journal.replay()
+        for fields in sessions:
+            session = Session(
+                fields["id"],
+                fields["task_id"],
+                fields["key_hash"],
+                fields["trajectory"],
+                created_at=fields["created_at"],
+                group_size=fields["group_size"],
+                train=fields["train"],
+            )
+            self.sessions[session.id] = session
+            self._by_key[session.key_hash] = session.id
+        self._ended.update(ended)
+        self.journal.compact(self.sessions.values(), self._ended)
+        return sum(s.train for s in self.sessions.values())
 
     # --- lifecycle ----------------------------------------------------------
 
@@ -166,6 +190,8 @@ class SessionManager:
         )
         self._by_key[key_hash] = session_id
         self.counters["started"] += 1
+        if self.journal is not None:
+            self.journal.opened(self.sessions[session_id])
         return session_id
 
     async def end(self, key_hash: str, failed: bool = False) -> int:
@@ -207,6 +233,10 @@ class SessionManager:
             self._closing.discard(session.key_hash)
         del self.sessions[session_id]
         self._ended[session.key_hash] = time.time()
+        if self.journal is not None:
+            self.journal.ended(session_id, session.key_hash, self._ended[session.key_hash])
+            if self.journal.too_big():
+                self.journal.compact(self.sessions.values(), self._ended)
         self.counters["exported"] += len(records)
         self.counters["ended"] += 1
         self.ended_by[reason] = self.ended_by.get(reason, 0) + 1
@@ -266,6 +296,8 @@ class SessionManager:
         try:
             for interaction in interactions:
                 session.trajectory.add(interaction)
+            if self.journal is not None:
+                self.journal.recorded(session_id, interactions)
         finally:
             self.abandon(session_id)
 
@@ -283,10 +315,14 @@ class SessionManager:
         session = self._live(key_hash)
         try:
             if turn_rewards is not None:
-                return session.trajectory.set_turn_rewards(turn_rewards, reward)
-            return session.trajectory.set_reward(reward, interaction_id)
+                rewarded = session.trajectory.set_turn_rewards(turn_rewards, reward)
+            else:
+                rewarded = session.trajectory.set_reward(reward, interaction_id)
         except LookupError as err:
             raise SessionError(404 if interaction_id else 409, str(err)) from None
+        if self.journal is not None:
+            self.journal.rewarded(session)
+        return rewarded
 
     def stats(self) -> dict:
         return {

@@ -66,3 +66,13 @@ def test_last_seq_reads_the_log_without_touching_it(tmp_path):
         handle.write(b'{"seq": 6, "reward": 1')  # a write in progress
     before = segment.read_bytes()
     assert last_seq(tmp_path) == 5 and segment.read_bytes() == before
+
+
+def test_a_session_saved_twice_is_kept_once(tmp_path):
+    files = TrajectoryFiles(tmp_path)
+    export = [{"session_id": "sess-1", "reward": 1.0}, {"session_id": "sess-1", "reward": 0.5}]
+    assert files.append(export) == [1, 2]
+    assert files.append(export) == []  # the store crashed after saving it and ends it again
+    assert TrajectoryFiles(tmp_path).append(export) == []  # across a restart of the log too
+    assert files.append([{"session_id": "sess-2", "reward": 0.0}]) == [3]
+    assert [r["seq"] for r in files.read(0, 100)] == [1, 2, 3]

@@ -1,0 +1,134 @@
+"""The SessionStore's journal: open sessions on disk, so a restarted store
+resumes them instead of losing them.
+
+One JSON line per change: ``open`` (a session and its hashed key), ``record``
+(completions), ``rewards`` (the rewards of a session's completions after a
+``set_reward``), ``end`` (the session was exported, or dropped). Each line is
+flushed to the operating system before the call that made it returns: a
+killed process loses nothing; a machine that loses power may lose the last
+lines (the trajectories themselves are fsync'd by the TrajectoryStore).
+
+:meth:`SessionJournal.replay` rebuilds the open sessions and recently ended
+keys; the file is then rewritten with just those (``compact``), and again
+whenever it grows past ``compact_bytes``, so it stays the size of what is open.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from rlgate.trajectory import Interaction, SessionTrajectory
+
+COMPACT_BYTES = 64 * 2**20
+ENDED_MEMORY_S = 24 * 3600.0  # ended keys kept (for 410 answers) across a restart
+
+
+class SessionJournal:
+    def __init__(self, path: str | Path, compact_bytes: int = COMPACT_BYTES) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.compact_bytes = compact_bytes
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def _write(self, entry: dict) -> None:
+        self._file.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        self._file.flush()
+
+    # --- changes -------------------------------------------------------------------
+
+    def opened(self, session) -> None:
+        self._write(
+            {
+                "op": "open",
+                "id": session.id,
+                "task_id": session.task_id,
+                "key_hash": session.key_hash,
+                "group_size": session.group_size,
+                "train": session.train,
+                "created_at": session.trajectory.created_at,
+            }
+        )
+
+    def recorded(self, session_id: str, interactions: list[Interaction]) -> None:
+        self._write({"op": "record", "id": session_id, "interactions": [asdict(i) for i in interactions]})
+
+    def rewarded(self, session) -> None:
+        rewards = {i.id: i.reward for i in session.trajectory.interactions.values() if i.reward is not None}
+        self._write({"op": "rewards", "id": session.id, "rewards": rewards})
+
+    def ended(self, session_id: str, key_hash: str, at: float) -> None:
+        self._write({"op": "end", "id": session_id, "key_hash": key_hash, "at": at})
+
+    # --- recovery ------------------------------------------------------------------
+
+    def replay(self) -> tuple[list[dict], dict[str, float]]:
+        """The sessions still open (each ``open`` entry's fields plus its
+        ``trajectory``) and the keys ended within ``ENDED_MEMORY_S`` (key hash ->
+        when). A torn last line (the process died while writing it) is ignored."""
+        sessions: dict[str, dict] = {}
+        ended: dict[str, float] = {}
+        for entry in self._entries():
+            op, session_id = entry["op"], entry.get("id")
+            if op == "open":
+                trajectory = SessionTrajectory(session_id, entry["task_id"])
+                trajectory.created_at = entry["created_at"]
+                sessions[session_id] = {**entry, "trajectory": trajectory}
+            elif op == "record" and session_id in sessions:
+                for fields in entry["interactions"]:
+                    sessions[session_id]["trajectory"].add(Interaction(**fields))
+            elif op == "rewards" and session_id in sessions:
+                interactions = sessions[session_id]["trajectory"].interactions
+                for interaction_id, reward in entry["rewards"].items():
+                    if interaction_id in interactions:
+                        interactions[interaction_id].reward = reward
+            elif op == "end":
+                sessions.pop(session_id, None)
+                ended[entry["key_hash"]] = entry["at"]
+            elif op == "ended":  # a compacted file's memory of ended keys
+                ended[entry["key_hash"]] = entry["at"]
+        cutoff = time.time() - ENDED_MEMORY_S
+        live_keys = {s["key_hash"] for s in sessions.values()}
+        ended = {k: at for k, at in ended.items() if at >= cutoff and k not in live_keys}
+        return list(sessions.values()), ended
+
+    def _entries(self):
+        if not self.path.exists():
+            return
+        with open(self.path, encoding="utf-8") as handle:
+            for line in handle:
+                if not line.endswith("\n"):
+                    return  # torn: never acknowledged
+                yield json.loads(line)
+
+    def compact(self, sessions, ended: dict[str, float]) -> None:
+        """Rewrite the journal as just ``sessions`` (live Session objects) and the
+        ``ended`` keys, atomically."""
+        temporary = self.path.with_suffix(".tmp")
+        with open(temporary, "w", encoding="utf-8") as out:
+            cutoff = time.time() - ENDED_MEMORY_S
+            for key_hash, at in ended.items():
+                if at >= cutoff:
+                    out.write(json.dumps({"op": "ended", "key_hash": key_hash, "at": at}) + "\n")
+            self._file, previous = out, self._file
+            try:
+                for session in sessions:
+                    self.opened(session)
+                    if session.trajectory.interactions:
+                        self.recorded(session.id, list(session.trajectory.interactions.values()))
+            finally:
+                self._file = previous
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, self.path)
+        self._file.close()
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def too_big(self) -> bool:
+        return self._file.tell() > self.compact_bytes
+
+    def close(self) -> None:
+        self._file.close()
