@@ -625,6 +625,7 @@ class Gateway:
             seed=request.seed,
             n=request.n,
             top_logprobs=top_logprobs,
+            ignore_eos=request.ignore_eos,
         )
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:

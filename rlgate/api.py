@@ -102,6 +102,7 @@ class _Sampling(_Request):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="vLLM extension: keep the k most likely tokens; 0 disables.")
+    ignore_eos: bool = Field(False, description="vLLM extension: generate max_tokens, past end-of-sequence.")
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False

@@ -4,12 +4,16 @@ TrajectoryStore come back from disk; nothing acknowledged is lost or saved twice
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
 import os
 import signal
+import threading
 import time
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from tests.conftest import start_gateway
@@ -115,3 +119,70 @@ def test_a_killed_trajectory_store_loses_nothing_and_saves_nothing_twice(faults,
     records = app.trajectories()[before:]
     assert sorted(r["task_id"] for r in records) == ["t0", "t1", "t2"]
     assert [r["seq"] for r in records] == list(range(before + 1, before + 4))
+
+
+def replica_pid(app_name: str) -> int:
+    [replica] = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if f"ServeReplica:{app_name}:RolloutServer" in " ".join(p.info["cmdline"] or [])
+    ]
+    return replica.pid
+
+
+def stream_lines(url: str, body: dict, key: str, flowing: threading.Event) -> list[str]:
+    """The stream's data lines; ``flowing`` is set once tokens arrive."""
+    with httpx.stream("POST", url, json=body | {"stream": True}, headers=session(None, key), timeout=120) as response:
+        assert response.status_code == 200
+        lines = []
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line)
+                if len(lines) >= 3:  # the role chunk, then tokens
+                    flowing.set()
+        return lines
+
+
+def test_a_killed_rollout_replica_fails_its_requests_cleanly_and_returns_on_the_current_policy(
+    faults, ray_session, tiny_path
+):
+    from safetensors.torch import load_file
+
+    app = faults
+    policy = ray_session.get_actor("rlgate-gw-faults-policy", namespace="rlgate")
+    ray_session.get(policy.publish.remote(1, [ray_session.put(load_file(tiny_path / "model.safetensors"))]))
+    assert ray_session.get(policy.wait_served.remote(1, 1, 120))  # the replica follows: it serves version 1
+    streaming, whole = app.start_session("stream")["api_key"], app.start_session("whole")["api_key"]
+    body = {"model": "tiny-random", "messages": [{"role": "user", "content": "go"}], "max_tokens": 450}
+    url = f"{app.url}/v1/chat/completions"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        flowing = threading.Event()
+        streamed = pool.submit(stream_lines, url, body | {"ignore_eos": True}, streaming, flowing)
+        answered = pool.submit(
+            httpx.post, url, json=body | {"ignore_eos": True}, headers=session(app, whole), timeout=120
+        )
+        deadline = time.monotonic() + 60
+        while not flowing.is_set() or app.rollout.health.remote().result()["running_requests"] < 2:
+            assert time.monotonic() < deadline and not answered.done(), "the requests never ran together"
+            time.sleep(0.05)
+        os.kill(replica_pid("gw-faults"), signal.SIGKILL)
+        answer, lines = answered.result(), streamed.result()
+    assert answer.status_code == 503 and "rollout engine" in answer.json()["error"]["message"]
+    last = json.loads(lines[-1].removeprefix("data: "))
+    assert last["error"]["code"] == 503 and "rollout engine" in last["error"]["message"]  # the stream ends cleanly
+
+    # Serve replaces the replica (requests meanwhile wait for it, or get a 503); it catches up to
+    # version 1 before it takes traffic; both sessions go on
+    for key in (streaming, whole):
+        again = retrying(
+            lambda key=key: httpx.post(url, json=body | {"max_tokens": 4}, headers=session(app, key), timeout=300)
+        )
+        assert again.status_code == 200, again.text
+    assert httpx.get(f"{app.url}/health").json()["policy_version"] == 1
+    before = len(app.trajectories())
+    for key in (streaming, whole):
+        assert httpx.post(f"{app.url}/rl/end_session", headers=session(app, key)).status_code == 200
+    records = app.trajectories()[before:]
+    assert len(records) == 2  # the failed requests recorded nothing; the answered ones were recorded
+    versions = [v for r in records for v, m in zip(r["versions"], r["loss_mask"]) if m]
+    assert versions and set(versions) == {1}  # every sampled token came from version 1's weights
