@@ -22,6 +22,7 @@ class TrainChannel:
     def __init__(self, first_index: int = 0) -> None:
         # A resumed run continues the numbering its checkpoint recorded.
         self.next_index = first_index
+        self.floor = first_index  # commands below it are covered by a finished checkpoint
         self.commands: dict[int, dict] = {}
         self.results: dict[int, dict[int, dict]] = {}
         self._changed = asyncio.Condition()
@@ -48,9 +49,14 @@ class TrainChannel:
         """Drop commands (and their batches) and results before ``index``: a
         checkpoint covers them, and a restarted worker resumes after it."""
         async with self._changed:
+            self.floor = max(self.floor, index)
             for table in (self.commands, self.results):
                 for old in [i for i in table if i < index]:
                     del table[old]
+
+    async def first_held(self) -> int:
+        """The first command still held: a restarted worker must resume at or after it."""
+        return self.floor
 
     async def wait(self, index: int, world: int, timeout_s: float) -> dict[int, dict] | None:
         """Every rank's result for command ``index``; None on timeout."""

@@ -14,6 +14,7 @@ latest checkpoint: weights, optimizer, and the next command to run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -76,14 +77,13 @@ def train_worker(setup: dict) -> None:
     pad_id = tokenizer.pad_token_id or 0
 
     index, optimizer_state = 0, None
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        model = AutoModelForCausalLM.from_pretrained(setup["model_path"], dtype=torch.float32)
-    else:  # a restart after a failure, or --resume
-        with checkpoint.as_directory() as folder:
-            index = json.loads((Path(folder) / STATE_FILE).read_text())["next_command"]
-            model = AutoModelForCausalLM.from_pretrained(Path(folder) / "model", dtype=torch.float32)
-            optimizer_state = torch.load(Path(folder) / "optimizer.pt", weights_only=True)
+    with _resume_from(ray.train.get_checkpoint(), ray.get(channel.first_held.remote()), setup) as folder:
+        if folder is None:
+            model = AutoModelForCausalLM.from_pretrained(setup["model_path"], dtype=torch.float32)
+        else:  # a restart after a failure, or --resume
+            index = json.loads((folder / STATE_FILE).read_text())["next_command"]
+            model = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32)
+            optimizer_state = torch.load(folder / "optimizer.pt", weights_only=True)
     reference = None
     if settings.algorithm.kl_coef > 0:
         reference = AutoModelForCausalLM.from_pretrained(setup["model_path"], dtype=torch.float32).eval()
@@ -112,6 +112,24 @@ def train_worker(setup: dict) -> None:
         _report(metrics, new_version, rank, save)
         ray.get(channel.done.remote(index, rank, metrics))
         index += 1
+
+
+@contextlib.contextmanager
+def _resume_from(checkpoint, first_held: int, setup: dict):
+    """The checkpoint folder to start from (None: the base model). Ray Train's, unless
+    it lost track of a newer one the driver saw finish (a worker killed right after
+    reporting it): the channel no longer holds the commands before ``first_held``, so
+    the worker must start from the checkpoint on disk that resumes exactly there."""
+    with contextlib.ExitStack() as stack:
+        folder = Path(stack.enter_context(checkpoint.as_directory())) if checkpoint is not None else None
+        resumes_at = json.loads((folder / STATE_FILE).read_text())["next_command"] if folder else 0
+        if resumes_at < first_held:
+            states = Path(setup["checkpoints"]).glob(f"checkpoint_*/{STATE_FILE}")
+            found = [s.parent for s in states if json.loads(s.read_text())["next_command"] == first_held]
+            if not found:
+                raise RuntimeError(f"no checkpoint resumes at command {first_held} under {setup['checkpoints']}")
+            folder = found[0]
+        yield folder
 
 
 def _quiet_reports() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -87,8 +88,10 @@ def summarise(latencies, seconds, tokens) -> dict:
     }
 
 
-def bench_vllm_server(model_path: Path, levels, requests, max_tokens) -> dict:
-    """vLLM's OpenAI server with the engine settings rlgate uses on this machine."""
+@contextlib.contextmanager
+def vllm_server(model_path: Path):
+    """vLLM's OpenAI server with the engine settings rlgate uses on this machine;
+    yields its base URL (served model name ``bench``)."""
     import torch
 
     from rlgate.engines.vllm import cpu_environment_defaults
@@ -131,13 +134,18 @@ def bench_vllm_server(model_path: Path, levels, requests, max_tokens) -> dict:
             except httpx.HTTPError:
                 pass
             time.sleep(2)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def bench_vllm_server(model_path: Path, levels, requests, max_tokens) -> dict:
+    with vllm_server(model_path) as url:
         asyncio.run(drive(f"{url}/v1", ["none"], "bench", 1, 4))  # warm-up
         return {
             c: summarise(*asyncio.run(drive(f"{url}/v1", ["none"] * c, "bench", requests, max_tokens))) for c in levels
         }
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
 
 
 def bench_rlgate(model: str, levels, requests, max_tokens) -> dict:

@@ -108,7 +108,7 @@ class Trainer:
         self.workers = workers
         self._trainer = TorchTrainer(
             train_worker,
-            train_loop_config=setup,
+            train_loop_config=setup | {"checkpoints": str(Path(storage) / name)},
             scaling_config=ScalingConfig(
                 num_workers=workers,
                 use_gpu=resources_per_worker.get("GPU", 0) > 0,

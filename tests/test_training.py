@@ -115,6 +115,73 @@ def test_train_sync_checkpoint_and_resume(tmp_path):
     assert again.returncode != 0 and "already has checkpoints; pass --resume" in again.stderr
 
 
+def test_a_killed_trainer_worker_and_an_interrupted_run_lose_and_repeat_nothing(tmp_path):
+    """SIGKILL the Ray Train worker after step 1: Ray Train restarts it from the
+    step-1 checkpoint and the run goes on. Ctrl-C (SIGINT) after step 2, then
+    --resume: the run finishes from its checkpoint at the right version."""
+    import signal
+    import time
+
+    import psutil
+
+    path = config(tmp_path, total_steps=4)
+    path.write_text(path.read_text().replace("save_every = 2", "save_every = 1"))
+    run = tmp_path / "runs" / "e2e"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env |= {"RLGATE_ADMIN_KEY": "train-test-admin-key-0123", "RAY_AUTH_MODE": "disabled"}
+    driver = subprocess.Popen(
+        [sys.executable, "train_driver.py", "--config", str(path)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+    def steps() -> int:
+        return len(lines(run / "metrics.jsonl")) if (run / "metrics.jsonl").exists() else 0
+
+    def wait_for_step(n: int) -> None:
+        deadline = time.monotonic() + 600
+        while steps() < n:
+            assert driver.poll() is None, driver.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, f"step {n} never came"
+            time.sleep(0.2)
+
+    def workers() -> list[psutil.Process]:
+        return [p for p in psutil.process_iter(["cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
+
+    try:
+        wait_for_step(1)
+        [worker] = workers()
+        worker.send_signal(signal.SIGKILL)
+        wait_for_step(2)
+        assert [w.pid for w in workers()] != [worker.pid]  # a new worker trained step 2
+        driver.send_signal(signal.SIGINT)
+        output, _ = driver.communicate(timeout=300)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert driver.returncode == 0 and "rlgate: interrupted" in output, output[-3000:]
+    stopped_at = steps()
+    assert stopped_at in (2, 3)  # a step under way when Ctrl-C came may finish first
+
+    resumed = train(path, "--resume")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    metrics = lines(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4] and [m["version"] for m in metrics] == [1, 2, 3, 4]
+    assert all(m["train_logprob_mismatch_max"] < 1e-4 for m in metrics)  # the restarted worker held the weights
+    used = [seq for b in lines(run / "batches.jsonl") for seq in b["seqs"]]
+    assert len(used) == len(set(used)) == 4 * 8  # no trajectory trained twice, every batch whole
+    records = {r["seq"]: r for f in sorted((run / "trajectories").glob("*.jsonl")) for r in lines(f)}
+    for batch in lines(run / "batches.jsonl"):  # each step trained what the version before it sampled
+        assert all(
+            {v for m, v in zip(records[seq]["loss_mask"], records[seq]["versions"]) if m} == {batch["step"] - 1}
+            for seq in batch["seqs"]
+        )
+
+
 def test_online_mode_trains_on_external_agents_within_the_staleness_bound(tmp_path):
     """Online mode: no built-in task. The driver serves and waits; concurrent
     external agents (the official openai client, two turns with a pause between)

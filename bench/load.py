@@ -1,0 +1,265 @@
+"""Load benchmark: many concurrent agent sessions against the gateway for a
+fixed time, and vLLM's own OpenAI server under the same chat load as the peer.
+
+    python bench/load.py [--model tiny-random] [--sessions 256] [--turns 4] [--seconds 60] [--json out.json]
+
+Each of ``--sessions`` virtual agents loops until the time is up: start a
+session (admin key), ``--turns`` chat completions continuing one
+conversation (the official openai client, its session key), a reward, the
+end. Against vLLM the same agents send the same conversations with no
+session calls. Everything is on loopback. Reports sessions/s, turns/s,
+p50/p99 latency per call, errors by status, the resident memory that open
+sessions add (Gateway replica + SessionStore, sampled every second, over the
+most sessions open at once), and checks that every session whose end was
+acknowledged was saved exactly once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+import psutil  # noqa: E402
+from gateway import QUESTIONS, free_port, vllm_server  # noqa: E402
+
+from rlgate.models import prepare_model  # noqa: E402
+
+
+class Tally:
+    """Latencies per call and answers per status."""
+
+    def __init__(self) -> None:
+        self.latencies: dict[str, list[float]] = collections.defaultdict(list)
+        self.statuses: collections.Counter = collections.Counter()
+        self.ended: list[str] = []  # session ids whose end_session answered 200
+
+    async def timed(self, call: str, coroutine):
+        started = time.perf_counter()
+        try:
+            result = await coroutine
+        except openai.APIStatusError as err:
+            self.statuses[f"{call} {err.status_code}"] += 1
+            return None
+        except (openai.APIConnectionError, httpx.HTTPError) as err:
+            self.statuses[f"{call} {err.__class__.__name__}"] += 1
+            return None
+        status = getattr(result, "status_code", 200)
+        self.statuses[f"{call} {status}"] += 1
+        if status < 400:
+            self.latencies[call].append(time.perf_counter() - started)
+        return result if status < 400 else None
+
+    def summary(self, seconds: float) -> dict:
+        def pct(values, q):
+            ordered = sorted(values)
+            return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
+
+        return {
+            "seconds": seconds,
+            "sessions_per_s": len(self.ended) / seconds,
+            "turns_per_s": len(self.latencies["chat"]) / seconds,
+            "latency_s": {
+                call: {"p50": statistics.median(v), "p99": pct(v, 0.99), "n": len(v)}
+                for call, v in self.latencies.items()
+                if v
+            },
+            "statuses": dict(sorted(self.statuses.items())),
+            "errors": sum(n for k, n in self.statuses.items() if not k.endswith(" 200")),
+        }
+
+
+async def conversation(client: openai.AsyncOpenAI, model: str, turns: int, index: int, tally: Tally, max_tokens: int):
+    messages = [{"role": "user", "content": QUESTIONS[index % len(QUESTIONS)]}]
+    for _ in range(turns):
+        reply = await tally.timed(
+            "chat", client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens)
+        )
+        if reply is None:
+            return False
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""}]
+        messages += [{"role": "user", "content": "And then?"}]
+    return True
+
+
+async def rlgate_agent(url: str, admin: str, index: int, args, tally: Tally, deadline: float) -> None:
+    async with httpx.AsyncClient(timeout=600) as http:
+        while time.monotonic() < deadline:
+            started = await tally.timed(
+                "start",
+                http.post(
+                    f"{url}/rl/start_session",
+                    json={"task_id": f"load{index}", "wait_s": 30},
+                    headers={"Authorization": f"Bearer {admin}"},
+                ),
+            )
+            if started is None:
+                await asyncio.sleep(1)
+                continue
+            body = started.json()
+            headers = {"Authorization": f"Bearer {body['api_key']}"}
+            async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=body["api_key"], max_retries=0) as client:
+                await conversation(client, args.model, args.turns, index, tally, args.max_tokens)
+            await tally.timed("reward", http.post(f"{url}/rl/set_reward", json={"reward": 1.0}, headers=headers))
+            if await tally.timed("end", http.post(f"{url}/rl/end_session", headers=headers)) is not None:
+                tally.ended.append(body["session_id"])
+
+
+async def peer_agent(url: str, index: int, args, tally: Tally, deadline: float) -> None:
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600) as client:
+        while time.monotonic() < deadline:
+            await conversation(client, "bench", args.turns, index, tally, args.max_tokens)
+
+
+def rss_of(markers: tuple[str, ...]) -> int:
+    total = 0
+    for process in psutil.process_iter(["cmdline", "memory_info"]):
+        line = " ".join(process.info["cmdline"] or [])
+        if any(marker in line for marker in markers) and process.info["memory_info"]:
+            total += process.info["memory_info"].rss
+    return total
+
+
+async def run_rlgate(url: str, admin: str, args) -> dict:
+    tally, markers = Tally(), ("ServeReplica:load:Gateway", "ray::SessionStore")
+    baseline, peak = rss_of(markers), {"open": 0, "rss": 0}
+    deadline = time.monotonic() + args.seconds
+
+    async def sample() -> None:
+        async with httpx.AsyncClient(timeout=30) as http:
+            while time.monotonic() < deadline:
+                status = (await http.get(f"{url}/rl/status", headers={"Authorization": f"Bearer {admin}"})).json()
+                open_now = status["sessions"]["open_sessions"]
+                if open_now >= peak["open"]:
+                    peak.update(open=open_now, rss=rss_of(markers))
+                await asyncio.sleep(1)
+
+    started = time.monotonic()
+    await asyncio.gather(sample(), *[rlgate_agent(url, admin, i, args, tally, deadline) for i in range(args.sessions)])
+    result = tally.summary(time.monotonic() - started)
+    result["peak_open_sessions"] = peak["open"]
+    result["rss_per_open_session_kib"] = (peak["rss"] - baseline) / max(1, peak["open"]) / 1024
+    async with httpx.AsyncClient(timeout=600) as http:
+        lines = (
+            await http.get(
+                f"{url}/rl/trajectories", params={"limit": 100_000}, headers={"Authorization": f"Bearer {admin}"}
+            )
+        ).text.splitlines()
+    saved = collections.Counter(json.loads(line)["session_id"] for line in lines)
+    result["sessions_ended"] = len(tally.ended)
+    result["sessions_saved"] = len(saved)
+    result["saved_exactly_once"] = set(saved) == set(tally.ended) and all(n == args.turns for n in saved.values())
+    return result
+
+
+def bench_rlgate(args) -> dict:
+    import ray
+    from ray import serve
+
+    from rlgate.config import parse_config
+    from rlgate.sessions import hash_key
+    from serve_app import build_app
+
+    admin = secrets.token_hex(16)
+    config = parse_config(
+        {
+            "model": {"name": args.model},
+            "rollout": {"max_model_len": 2048, "kv_cache_gib": 1.0},
+            "gateway": {
+                "run_dir": tempfile.mkdtemp(prefix="rlgate-load-"),
+                "run_name": "load",
+                "max_concurrent": args.sessions,
+                "access_log": False,
+            },
+        }
+    )
+    port = free_port()
+    ray.init(include_dashboard=False, log_to_driver=False)
+    quiet = {"enable_access_log": False}
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=quiet)
+    serve.run(build_app(config, hash_key(admin)), name="load", route_prefix="/", logging_config=quiet)
+    try:
+        return asyncio.run(run_rlgate(f"http://127.0.0.1:{port}", admin, args))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def bench_peer(args) -> dict:
+    with vllm_server(prepare_model(args.model)) as url:
+        tally = Tally()
+        deadline = time.monotonic() + args.seconds
+        started = time.monotonic()
+
+        async def agents():
+            await asyncio.gather(*[peer_agent(url, i, args, tally, deadline) for i in range(args.sessions)])
+
+        asyncio.run(agents())
+        return tally.summary(time.monotonic() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny-random")
+    parser.add_argument("--sessions", type=int, default=256, help="concurrent agents")
+    parser.add_argument("--turns", type=int, default=4, help="chat completions per session")
+    parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    from rich.console import Console
+    from rich.table import Table
+
+    peer = bench_peer(args)
+    ours = bench_rlgate(args)
+    table = Table(
+        title=f"{args.sessions} agents x {args.turns} turns, {args.seconds:g} s, {args.model}, "
+        f"max_tokens={args.max_tokens}, {os.cpu_count()} CPUs"
+    )
+    for column in ("server", "sessions/s", "turns/s", "chat p50 s", "chat p99 s", "errors", "rlgate / vLLM turns/s"):
+        table.add_column(column, justify="right")
+    for name, result in (("vllm serve (peer)", peer), ("rlgate gateway", ours)):
+        chat = result["latency_s"].get("chat", {"p50": float("nan"), "p99": float("nan")})
+        table.add_row(
+            name,
+            f"{result['sessions_per_s']:.2f}" if name.startswith("rlgate") else "-",
+            f"{result['turns_per_s']:.1f}",
+            f"{chat['p50']:.2f}",
+            f"{chat['p99']:.2f}",
+            str(result["errors"]),
+            f"{ours['turns_per_s'] / peer['turns_per_s']:.2f}" if name.startswith("rlgate") else "",
+        )
+    console = Console(width=140)
+    console.print(table)
+    console.print(
+        f"rlgate: {ours['peak_open_sessions']} sessions open at most, "
+        f"{ours['rss_per_open_session_kib']:.0f} KiB resident per open session (Gateway + SessionStore); "
+        f"{ours['sessions_ended']} sessions ended, {ours['sessions_saved']} saved, "
+        f"each exactly once with all its turns: {ours['saved_exactly_once']}"
+    )
+    console.print(f"answers: rlgate {ours['statuses']}; vLLM {peer['statuses']}")
+    if args.json:
+        args.json.write_text(json.dumps({"vllm": peer, "rlgate": ours}, indent=2))
+    if not ours["saved_exactly_once"] or ours["errors"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
