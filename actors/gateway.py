@@ -108,13 +108,35 @@ async def _validation_error(_, err: RequestValidationError):
     return error_response(422, f"{where or 'body'}: {first['msg']}", param=where or None)
 
 
-@app.middleware("http")
-async def _limit_body(request: Request, call_next):
-    limit = request.app.state.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        return error_response(413, f"request body of {declared} bytes exceeds the {limit}-byte limit")
-    return await call_next(request)
+class _BodyLimit:
+    """413 for a body over ``[gateway] max_body_bytes``: at once when its
+    Content-Length says so, else (a chunked body) as soon as that much has arrived."""
+
+    def __init__(self, asgi) -> None:
+        self.asgi = asgi
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.asgi(scope, receive, send)
+        limit = scope["app"].state.max_body_bytes  # the app Serve runs (a copy of the module's)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            too_big = error_response(413, f"request body of {int(declared)} bytes exceeds the {limit}-byte limit")
+            return await too_big(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > limit:  # FastAPI passes HTTP exceptions raised while reading the body through
+                raise StarletteHTTPException(413, f"request body exceeds the {limit}-byte limit")
+            return message
+
+        return await self.asgi(scope, counted, send)
+
+
+app.add_middleware(_BodyLimit)
 
 
 app.state.max_body_bytes = 4 * 2**20

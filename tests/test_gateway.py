@@ -331,6 +331,15 @@ def test_errors_say_what_was_wrong(gw):
     assert status == 422 and "not valid JSON" in message
     status, message = error(post(json_body={**body, "messages": ask("x" * 70_000)}, headers=session_headers(key)))
     assert status == 413 and "65536" in message
+
+    def chunked():  # no Content-Length: the limit holds as the body arrives
+        yield b'{"model": "tiny-tools", "messages": [{"role": "user", "content": "'
+        for _ in range(100):
+            yield b"x" * 1000
+        yield b'"}]}'
+
+    status, message = error(post(content=chunked(), headers=session_headers(key)))
+    assert status == 413 and "65536" in message
     status, message = error(post(json_body={**body, "max_tokens": 10**9}, headers=session_headers(key)))
     assert status == 400 and "max_tokens" in message
     status, message = error(post(json_body={**body, "messages": ask("x" * 5000)}, headers=session_headers(key)))
