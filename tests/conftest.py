@@ -162,6 +162,20 @@ def start_gateway(ray_session, tmp_path_factory, name: str, settings: dict) -> G
     return GatewayApp(name, f"{ray_session.serve_url}/{name}", admin_key, config, run_root / name, rollout)
 
 
+def gateway_fixture(name: str, settings: dict):
+    """A module-scoped fixture: a gateway app under ``/<name>``, deleted after the module."""
+
+    @pytest.fixture(scope="module")
+    def deployed(ray_session, tmp_path_factory):
+        from ray import serve
+
+        app = start_gateway(ray_session, tmp_path_factory, name, settings)
+        yield app
+        serve.delete(name)
+
+    return deployed
+
+
 @contextmanager
 def serve_asgi(app):
     """Serve an ASGI app (e.g. a task app) with uvicorn on a free loopback port,

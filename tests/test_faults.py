@@ -16,19 +16,13 @@ import openai
 import psutil
 import pytest
 
-from tests.conftest import start_gateway
+from tests.conftest import gateway_fixture
 
 SETTINGS = {"model": {"name": "tiny-random"}, "rollout": {"engine": "hf", "max_model_len": 512}}
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def faults(ray_session, tmp_path_factory):
-    from ray import serve
-
-    app = start_gateway(ray_session, tmp_path_factory, "gw-faults", SETTINGS)
-    yield app
-    serve.delete("gw-faults")
+faults = gateway_fixture("gw-faults", SETTINGS)
 
 
 def kill_actor(ray_session, name: str) -> int:

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from rlgate.models import CALCULATOR_TOOL, TOOL_PROBLEMS
-from tests.conftest import start_gateway
+from tests.conftest import gateway_fixture
 
 SETTINGS = {
     "model": {"name": "tiny-tools"},
@@ -22,13 +22,7 @@ SETTINGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def gw(ray_session, tmp_path_factory):
-    from ray import serve
-
-    app = start_gateway(ray_session, tmp_path_factory, "gw", SETTINGS)
-    yield app
-    serve.delete("gw")
+gw = gateway_fixture("gw", SETTINGS)
 
 
 def client(gw, key, root=False) -> openai.OpenAI:

@@ -12,7 +12,7 @@ import openai
 import psutil
 import pytest
 
-from tests.conftest import start_gateway
+from tests.conftest import gateway_fixture
 
 SETTINGS = {
     "model": {"name": "tiny-random"},
@@ -21,13 +21,7 @@ SETTINGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def small(ray_session, tmp_path_factory):
-    from ray import serve
-
-    app = start_gateway(ray_session, tmp_path_factory, "gw-small", SETTINGS)
-    yield app
-    serve.delete("gw-small")
+small = gateway_fixture("gw-small", SETTINGS)
 
 
 @pytest.fixture
@@ -160,18 +154,12 @@ def test_a_crashed_engine_gives_503_then_serve_replaces_it(clean):
     assert end(clean, session["api_key"]) == 200
 
 
-@pytest.fixture(scope="module")
-def tight(ray_session, tmp_path_factory):
-    """A gateway whose one engine takes 1 request at a time and 1 more waiting."""
-    from ray import serve
-
-    settings = {
-        "model": {"name": "tiny-random"},
-        "rollout": {"engine": "hf", "max_model_len": 512, "max_ongoing_requests": 1, "max_queued_requests": 1},
-    }
-    app = start_gateway(ray_session, tmp_path_factory, "gw-tight", settings)
-    yield app
-    serve.delete("gw-tight")
+# One engine taking 1 request at a time and 1 more waiting.
+TIGHT = {
+    "model": {"name": "tiny-random"},
+    "rollout": {"engine": "hf", "max_model_len": 512, "max_ongoing_requests": 1, "max_queued_requests": 1},
+}
+tight = gateway_fixture("gw-tight", TIGHT)
 
 
 def test_a_saturated_engine_answers_503_with_retry_after_at_once_then_recovers(tight):

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import start_gateway
+from tests.conftest import gateway_fixture
 
 SETTINGS = {
     "model": {"name": "tiny-random"},
@@ -23,13 +23,7 @@ CREDENTIALS = ("none", "malformed", "wrong", "admin", "own", "other", "ended", "
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def sec(ray_session, tmp_path_factory):
-    from ray import serve
-
-    app = start_gateway(ray_session, tmp_path_factory, "gw-sec", SETTINGS)
-    yield app
-    serve.delete("gw-sec")
+sec = gateway_fixture("gw-sec", SETTINGS)
 
 
 def unreachable_url() -> str:

@@ -333,19 +333,8 @@ def test_bad_configs_and_overrides_are_one_line_errors(tmp_path):
 
 
 def test_a_run_the_cluster_can_never_hold_stops_before_anything_is_deployed(tmp_path):
-    path = tmp_path / "gpu.toml"
-    path.write_text(f"""
-[model]
-name = "tiny-random"
-[rollout]
-num_gpus = 1
-[gateway]
-run_name = "needs-a-gpu"
-run_dir = "{tmp_path / "runs"}"
-port = {free_port()}
-[task]
-builtin = "vowels"
-""")
+    path = config(tmp_path, total_steps=1)
+    path.write_text(path.read_text().replace("[rollout]\n", "[rollout]\nnum_gpus = 1\n"))  # this machine has none
     done = train(path)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "rlgate: the cluster can never run this: it needs 1 GPU in all (the cluster has 0)" in done.stderr
