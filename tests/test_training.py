@@ -53,20 +53,35 @@ max_tokens = 12
     return path
 
 
-def train(path: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def driver_env(admin_key: str = "train-test-admin-key-0123") -> dict:
     settings = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    settings |= {
-        "RLGATE_ADMIN_KEY": "train-test-admin-key-0123",
+    return settings | {
+        "RLGATE_ADMIN_KEY": admin_key,
         "RAY_AUTH_MODE": "disabled",
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
-    } | (env or {})
+    }
+
+
+def train(path: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "train_driver.py", "--config", str(path), *extra],
         cwd=ROOT,
-        env=settings,
+        env=driver_env() | (env or {}),
         capture_output=True,
         text=True,
         timeout=900,
+    )
+
+
+def start_driver(path: Path, admin_key: str = "train-test-admin-key-0123") -> subprocess.Popen:
+    """train_driver.py in the background, its output (both streams) on a pipe."""
+    return subprocess.Popen(
+        [sys.executable, "train_driver.py", "--config", str(path)],
+        cwd=ROOT,
+        env=driver_env(admin_key),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -127,16 +142,7 @@ def test_a_killed_trainer_worker_and_an_interrupted_run_lose_and_repeat_nothing(
     path = config(tmp_path, total_steps=4)
     path.write_text(path.read_text().replace("save_every = 2", "save_every = 1"))
     run = tmp_path / "runs" / "e2e"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env |= {"RLGATE_ADMIN_KEY": "train-test-admin-key-0123", "RAY_AUTH_MODE": "disabled"}
-    driver = subprocess.Popen(
-        [sys.executable, "train_driver.py", "--config", str(path)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    driver = start_driver(path)
 
     def steps() -> int:
         return len(lines(run / "metrics.jsonl")) if (run / "metrics.jsonl").exists() else 0
@@ -211,16 +217,7 @@ learning_rate = 3e-3
 max_staleness = {staleness}
 total_steps = {steps}
 """)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env |= {"RLGATE_ADMIN_KEY": "online-test-admin-key-0123", "RAY_AUTH_MODE": "disabled"}
-    driver = subprocess.Popen(
-        [sys.executable, "train_driver.py", "--config", str(path)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    driver = start_driver(path, "online-test-admin-key-0123")
     url, admin = f"http://127.0.0.1:{port}", {"Authorization": "Bearer online-test-admin-key-0123"}
     run = tmp_path / "runs" / "online"
     try:
