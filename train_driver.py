@@ -74,7 +74,7 @@ def main() -> int:
     if problem:
         raise SystemExit(f"rlgate: {problem}")
     if not args.resume:
-        forget_earlier_run(run)
+        forget_earlier_run(run, run_dir)
     url, key = serve_gateway(config, version)
     trajectories = ray.get_actor(f"{run}-trajectories", namespace=NAMESPACE)
     capacity = ray.get_actor(f"{run}-capacity", namespace=NAMESPACE)
@@ -254,14 +254,20 @@ def resume_point(run_dir: Path, resume: bool) -> tuple[int, int, dict | None, Pa
     return driver["step"], state["version"], driver["buffer"], folder / "model", state["next_command"]
 
 
-def forget_earlier_run(run: str) -> None:
+def forget_earlier_run(run: str, run_dir: Path) -> None:
     """A fresh run must not inherit published weights, sessions or capacity
-    counts left in the cluster by an earlier run of the same name."""
+    counts left in the cluster by an earlier run of the same name, nor take
+    over its open sessions from their journal (kept aside, not deleted)."""
     for suffix in ("policy", "capacity", "sessions"):
         try:
             ray.kill(ray.get_actor(f"{run}-{suffix}", namespace=NAMESPACE))
         except ValueError:
             pass  # no such actor: nothing to forget
+    journal = run_dir / "sessions" / "journal.jsonl"
+    if journal.exists() and journal.stat().st_size:
+        aside = journal.with_name(f"journal-{time.strftime('%Y%m%d-%H%M%S')}.set-aside.jsonl")
+        journal.rename(aside)
+        print(f"rlgate: an earlier run's open sessions are not taken over; their journal is at {aside}", flush=True)
 
 
 def trainer_gpus(config: RLGateConfig) -> float:

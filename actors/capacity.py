@@ -41,6 +41,9 @@ class CapacityActor:
         # groups): they fill no batch, so they must not use up the staleness budget.
         self.discarded = 0
         self.reservations = GroupReservations()  # slots held for groups already started
+        # Bumped by reconcile: an acquire that waited across a SessionStore restart was made
+        # by the store that died, and must not take a slot no one will release.
+        self.generation = 0
         # Notified on every change that can free a slot (release, new version, new settings).
         self._changed = asyncio.Condition()
         name = (ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None) or "rlgate-capacity"
@@ -73,7 +76,7 @@ class CapacityActor:
         """
         if timeout_s < 0:
             raise ValueError(f"timeout_s must be >= 0 (got {timeout_s})")
-        deadline = time.monotonic() + timeout_s
+        deadline, generation = time.monotonic() + timeout_s, self.generation
         async with self._changed:
             # Reservations lapse with time, not with an event: look again at least every second.
             while not self._admits(task_id, group_size) and (left := deadline - time.monotonic()) > 0:
@@ -81,6 +84,8 @@ class CapacityActor:
                     await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
                 except TimeoutError:  # the builtin TimeoutError only from Python 3.11
                     pass
+            if generation != self.generation:
+                return False  # its caller is gone
             if not self._admits(task_id, group_size):
                 self.rejected += 1
                 self._report()
@@ -107,7 +112,7 @@ class CapacityActor:
     async def reconcile(self, running: int) -> None:
         """The SessionStore (re)started holding ``running`` open sessions: that is the count."""
         async with self._changed:
-            self.running = running
+            self.running, self.generation = running, self.generation + 1
             self._changed.notify_all()
             self._report()
 

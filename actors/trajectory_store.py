@@ -27,10 +27,12 @@ RECENT_SESSIONS = 100_000
 def last_seq(folder: str | Path) -> int:
     """The last sequence number written under ``folder`` (0 if none), read without
     touching the files (a store may be writing them)."""
-    segments = sorted(Path(folder).glob("part-*.jsonl"))
-    complete = segments[-1].read_bytes().rsplit(b"\n", 1)[0] if segments else b""
-    lines = complete.splitlines()
-    return json.loads(lines[-1])["seq"] if lines else 0
+    for segment in reversed(sorted(Path(folder).glob("part-*.jsonl"))):
+        data = segment.read_bytes()
+        lines = data[: data.rfind(b"\n") + 1].splitlines()  # complete lines only
+        if lines:
+            return json.loads(lines[-1])["seq"]
+    return 0
 
 
 class TrajectoryFiles:
@@ -84,7 +86,8 @@ class TrajectoryFiles:
             path = self.folder / f"part-{self.last_seq + 1:012d}.jsonl"
         seqs = list(range(self.last_seq + 1, self.last_seq + 1 + len(records)))
         lines = "".join(
-            json.dumps({"seq": seq, **record}, ensure_ascii=False) + "\n" for seq, record in zip(seqs, records)
+            json.dumps({"seq": seq, **record}) + "\n"
+            for seq, record in zip(seqs, records)  # ASCII: any str writes
         )
         with open(path, "a", encoding="utf-8") as handle:
             handle.write(lines)

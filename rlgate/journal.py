@@ -16,6 +16,7 @@ whenever it grows past ``compact_bytes``, so it stays the size of what is open.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import asdict
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from rlgate.trajectory import Interaction, SessionTrajectory
 
+logger = logging.getLogger(__name__)
 COMPACT_BYTES = 64 * 2**20
 ENDED_MEMORY_S = 24 * 3600.0  # ended keys kept (for 410 answers) across a restart
 
@@ -32,10 +34,11 @@ class SessionJournal:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.compact_bytes = compact_bytes
+        self._compacted = 0  # the size the last compaction left
         self._file = open(self.path, "a", encoding="utf-8")
 
     def _write(self, entry: dict) -> None:
-        self._file.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        self._file.write(json.dumps(entry) + "\n")  # ASCII: any str Python holds (a lone surrogate too) writes
         self._file.flush()
 
     # --- changes -------------------------------------------------------------------
@@ -72,28 +75,35 @@ class SessionJournal:
         sessions: dict[str, dict] = {}
         ended: dict[str, float] = {}
         for entry in self._entries():
-            op, session_id = entry["op"], entry.get("id")
-            if op == "open":
-                trajectory = SessionTrajectory(session_id, entry["task_id"])
-                trajectory.created_at = entry["created_at"]
-                sessions[session_id] = {**entry, "trajectory": trajectory}
-            elif op == "record" and session_id in sessions:
-                for fields in entry["interactions"]:
-                    sessions[session_id]["trajectory"].add(Interaction(**fields))
-            elif op == "rewards" and session_id in sessions:
-                interactions = sessions[session_id]["trajectory"].interactions
-                for interaction_id, reward in entry["rewards"].items():
-                    if interaction_id in interactions:
-                        interactions[interaction_id].reward = reward
-            elif op == "end":
-                sessions.pop(session_id, None)
-                ended[entry["key_hash"]] = entry["at"]
-            elif op == "ended":  # a compacted file's memory of ended keys
-                ended[entry["key_hash"]] = entry["at"]
+            try:
+                self._apply(entry, sessions, ended)
+            except (KeyError, TypeError, ValueError) as err:  # one bad line costs that line, not the store
+                logger.warning("journal %s: skipped an entry it cannot apply (%s): %.200s", self.path, err, entry)
         cutoff = time.time() - ENDED_MEMORY_S
         live_keys = {s["key_hash"] for s in sessions.values()}
         ended = {k: at for k, at in ended.items() if at >= cutoff and k not in live_keys}
         return list(sessions.values()), ended
+
+    @staticmethod
+    def _apply(entry: dict, sessions: dict[str, dict], ended: dict[str, float]) -> None:
+        op, session_id = entry["op"], entry.get("id")
+        if op == "open":
+            trajectory = SessionTrajectory(session_id, entry["task_id"])
+            trajectory.created_at = entry["created_at"]
+            sessions[session_id] = {**entry, "trajectory": trajectory}
+        elif op == "record" and session_id in sessions:
+            for fields in entry["interactions"]:
+                sessions[session_id]["trajectory"].add(Interaction(**fields))
+        elif op == "rewards" and session_id in sessions:
+            interactions = sessions[session_id]["trajectory"].interactions
+            for interaction_id, reward in entry["rewards"].items():
+                if interaction_id in interactions:
+                    interactions[interaction_id].reward = reward
+        elif op == "end":
+            sessions.pop(session_id, None)
+            ended[entry["key_hash"]] = entry["at"]
+        elif op == "ended":  # a compacted file's memory of ended keys
+            ended[entry["key_hash"]] = entry["at"]
 
     def _entries(self):
         if not self.path.exists():
@@ -102,7 +112,10 @@ class SessionJournal:
             for line in handle:
                 if not line.endswith("\n"):
                     return  # torn: never acknowledged
-                yield json.loads(line)
+                try:
+                    yield json.loads(line)
+                except ValueError:
+                    logger.warning("journal %s: skipped a line that is not JSON: %.200s", self.path, line)
 
     def compact(self, sessions, ended: dict[str, float]) -> None:
         """Rewrite the journal as just ``sessions`` (live Session objects) and the
@@ -126,9 +139,12 @@ class SessionJournal:
         os.replace(temporary, self.path)
         self._file.close()
         self._file = open(self.path, "a", encoding="utf-8")
+        self._compacted = self._file.tell()
 
     def too_big(self) -> bool:
-        return self._file.tell() > self.compact_bytes
+        """Past ``compact_bytes`` and twice what the last compaction left (so a journal
+        whose open sessions alone are that big is not rewritten at every change)."""
+        return self._file.tell() > max(self.compact_bytes, 2 * self._compacted)
 
     def close(self) -> None:
         self._file.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -28,6 +29,9 @@ from rlgate.trajectory import ExportStyle, Interaction, SessionTrajectory
 # A request still generating keeps its session from idling out, but no longer
 # than this: a gateway that died mid-request must not pin a session forever.
 MAX_REQUEST_S = 900.0
+
+
+logger = logging.getLogger(__name__)
 
 
 class SessionError(Exception):
@@ -60,6 +64,7 @@ class Session:
     group_size: int | None = None  # set per session at start; the trainer's default otherwise
     requests: list[float] = field(default_factory=list)  # start times of requests in flight
     train: bool = True  # False: an evaluation session, never saved or trained on
+    save_failed: bool = False  # an end could not confirm its save: only a retried end may follow
 
     def busy(self, now: float) -> bool:
         return any(now - started < MAX_REQUEST_S for started in self.requests)
@@ -226,7 +231,9 @@ class SessionManager:
             if records:
                 await self.persist(records)
         except Exception as err:
-            session.ending = False
+            # Put back as it was, but closed to changes: the export may have reached the disk (the
+            # store died before answering), and a retried end must export the same thing again.
+            session.ending, session.save_failed = False, True
             self._by_key[session.key_hash] = session_id
             raise SessionError(503, f"could not save the trajectory ({err}); the session is still open, retry") from err
         finally:
@@ -234,9 +241,12 @@ class SessionManager:
         del self.sessions[session_id]
         self._ended[session.key_hash] = time.time()
         if self.journal is not None:
-            self.journal.ended(session_id, session.key_hash, self._ended[session.key_hash])
-            if self.journal.too_big():
-                self.journal.compact(self.sessions.values(), self._ended)
+            try:
+                self.journal.ended(session_id, session.key_hash, self._ended[session.key_hash])
+                if self.journal.too_big():
+                    self.journal.compact(self.sessions.values(), self._ended)
+            except OSError:  # saved already; a restart would end it again, and the save is not repeated
+                logger.exception("could not note the end of %s in the session journal", session_id)
         self.counters["exported"] += len(records)
         self.counters["ended"] += 1
         self.ended_by[reason] = self.ended_by.get(reason, 0) + 1
@@ -282,17 +292,26 @@ class SessionManager:
     def begin(self, key_hash: str, candidate_keys: list[str]) -> tuple[str, Parent | None]:
         """Authenticate a request and find the earlier exchange it continues.
         The request counts as in flight until ``record`` or ``abandon``."""
-        session = self._live(key_hash)
+        session = self._changeable(key_hash)
         session.requests.append(time.monotonic())
         parent = session.trajectory.find(candidate_keys)
         if parent is None:
             return session.id, None
         return session.id, Parent(parent.id, parent.key, parent.sequence, parent.completion_ids[-1:])
 
+    def _changeable(self, key_hash: str) -> Session:
+        session = self._live(key_hash)
+        if session.save_failed:
+            raise SessionError(409, "saving this session failed; call /rl/end_session again before anything else")
+        return session
+
     def record(self, session_id: str, interactions: list[Interaction]) -> None:
         session = self.sessions.get(session_id)
         if session is None or session.ending:
             raise SessionError(410, "the session ended while this completion was generated; it was not recorded")
+        if session.save_failed:
+            self.abandon(session_id)
+            raise SessionError(409, "saving this session failed meanwhile; this completion was not recorded")
         try:
             for interaction in interactions:
                 session.trajectory.add(interaction)
@@ -312,7 +331,7 @@ class SessionManager:
     def set_reward(
         self, key_hash: str, reward: float, interaction_id: str | None, turn_rewards: list[float] | None = None
     ) -> str:
-        session = self._live(key_hash)
+        session = self._changeable(key_hash)
         try:
             if turn_rewards is not None:
                 rewarded = session.trajectory.set_turn_rewards(turn_rewards, reward)

@@ -325,3 +325,15 @@ async def test_a_trainer_counts_sessions_and_versions_from_when_it_attaches(make
     assert [await capacity.acquire.remote() for _ in range(3)] == [True, True, False]
     await capacity.grant.remote(batch_size=3, max_staleness=0)  # new settings keep the same starting point
     assert await capacity.acquire.remote() is True
+
+
+async def test_a_wait_across_a_session_store_restart_takes_no_slot(make_capacity, ray_session):
+    capacity = make_capacity(1)
+    assert await capacity.acquire.remote()
+    waiting = capacity.acquire.remote(30.0)  # made by a SessionStore that then dies
+    ready, _ = ray_session.wait([waiting], timeout=0.5)
+    assert not ready
+    await capacity.reconcile.remote(0)  # the restarted store holds no open session
+    assert await waiting is False  # its caller is gone: the slot it would take is not counted
+    assert (await capacity.stats.remote())["running"] == 0
+    assert await capacity.acquire.remote()  # and the new store gets it

@@ -76,3 +76,21 @@ def test_a_session_saved_twice_is_kept_once(tmp_path):
     assert TrajectoryFiles(tmp_path).append(export) == []  # across a restart of the log too
     assert files.append([{"session_id": "sess-2", "reward": 0.0}]) == [3]
     assert [r["seq"] for r in files.read(0, 100)] == [1, 2, 3]
+
+
+def test_last_seq_looks_past_a_segment_with_nothing_complete(tmp_path):
+    from actors.trajectory_store import last_seq
+
+    files = TrajectoryFiles(tmp_path)
+    files.append([{"session_id": "a"}, {"session_id": "a"}])
+    (tmp_path / "part-000000000003.jsonl").write_bytes(b'{"seq": 3, "sess')  # rolled over, then torn
+    assert last_seq(tmp_path) == 2
+    (tmp_path / "part-000000000003.jsonl").write_bytes(b"")
+    assert last_seq(tmp_path) == 2
+
+
+def test_text_python_can_hold_is_saved(tmp_path):
+    files = TrajectoryFiles(tmp_path)
+    assert files.append([{"session_id": "s", "task_id": "lone \ud800 surrogate", "text": "naïve ☃"}]) == [1]
+    [record] = files.read(0, 10)
+    assert record["task_id"] == "lone \ud800 surrogate" and record["text"] == "naïve ☃"
