@@ -519,7 +519,7 @@ class Gateway:
             gateway = self.settings.gateway
             jobs_dir = str(Path(gateway.run_dir).parent / "jobs")
             where = {"host": gateway.host, "port": gateway.port}
-            self._job_manager = get_or_create_job_manager(jobs_dir, where, gateway.max_running_jobs)
+            self._job_manager = get_or_create_job_manager(gateway.run_name, jobs_dir, where, gateway.max_running_jobs)
         return self._job_manager
 
     async def _jobs(self, method: str, *args, retry: bool = True):

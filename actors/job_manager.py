@@ -1,7 +1,8 @@
 """JobManager: RL jobs, each run as a Ray job of ``train_driver.py``.
 
-Created (get-if-exists, detached, named ``rlgate-jobs``) by the Gateway, whose
-``/api/rl/jobs`` routes call it. Owns the job records, their events and the
+Created (get-if-exists, detached, named ``rlgate-<run name>-jobs``) by the
+Gateway whose ``/api/rl/jobs`` routes call it: it carries that gateway's address
+and folder, so each gateway application has its own. Owns the job records, their events and the
 idempotency keys, all kept under ``<jobs_dir>/<job id>/`` (``job.json``,
 ``events.jsonl``, ``config.toml``, and the run folder ``runs/<job id>``), so a
 restarted JobManager (or gateway) picks every job up again from disk.
@@ -33,7 +34,6 @@ from rlgate.placement import cluster_nodes, plan, unplaceable
 from rlgate.sessions import SessionError, hash_key, same_secret
 
 ROOT = Path(__file__).resolve().parents[1]
-NAME = "rlgate-jobs"
 
 
 class JobManager:
@@ -383,9 +383,15 @@ def _last_line(logs: str) -> str | None:
     return lines[-1] if lines else None
 
 
-def get_or_create_job_manager(jobs_dir: str, gateway: dict, max_running: int = 1):
+def job_manager_name(run_name: str) -> str:
+    return f"rlgate-{run_name}-jobs"
+
+
+def get_or_create_job_manager(run_name: str, jobs_dir: str, gateway: dict, max_running: int = 1):
     return (
         ray.remote(JobManager)
-        .options(name=NAME, namespace="rlgate", lifetime="detached", get_if_exists=True, num_cpus=0)
+        .options(
+            name=job_manager_name(run_name), namespace="rlgate", lifetime="detached", get_if_exists=True, num_cpus=0
+        )
         .remote(jobs_dir, gateway, max_running)
     )

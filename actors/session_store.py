@@ -52,9 +52,14 @@ class SessionStore:
             refresh_timeout_s=settings["refresh_timeout_s"],
             journal=SessionJournal(Path(settings["run_dir"]) / "sessions" / "journal.jsonl"),
         )
-        # Sessions of an earlier incarnation (a crash, or the whole app restarted) hold their
-        # slots again; slots taken by calls that died with it are given back.
+        # Sessions of an earlier incarnation hold their slots again; slots taken by calls that
+        # died with it are given back. After a crash (Ray restarting this actor) they go on; at
+        # the first start of a new application (the whole app restarted) their agents are gone
+        # with the old one, so they are ended and exported ("restart") on the first call.
         capacity.reconcile.remote(self.manager.restore())
+        reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
+        self._orphans = [] if reconstructed else list(self.manager.sessions)
+        self._ending_orphans: asyncio.Task | None = None
         self._sweep_every = min(10.0, settings["session_timeout_s"] / 4)
         self._sweeper: asyncio.Task | None = None
         self.metrics = Metrics(settings["run_name"])
@@ -78,6 +83,8 @@ class SessionStore:
         # Started on the first call: an actor's __init__ runs before its event loop.
         if self._sweeper is None or self._sweeper.done():
             self._sweeper = asyncio.create_task(sweep(self.manager, self._sweep_every, after=self._report))
+        if self._orphans and self._ending_orphans is None:
+            self._ending_orphans = asyncio.create_task(self.manager.end_sessions(self._orphans, reason="restart"))
 
     async def start(
         self,

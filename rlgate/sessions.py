@@ -271,6 +271,16 @@ class SessionManager:
                 ended += 1
         return ended
 
+    async def end_sessions(self, session_ids: list[str], reason: str) -> None:
+        """End these sessions if still open; one that cannot be saved now stays open
+        (the idle sweep ends it later)."""
+        for session_id in session_ids:
+            if session_id in self.sessions and not self.sessions[session_id].ending:
+                try:
+                    await self._end(session_id, reason=reason)
+                except SessionError:
+                    logger.warning("could not end session %s (%s) yet", session_id, reason)
+
     async def close_all(self, reason: str = "shutdown") -> None:
         for session_id in [s.id for s in self.sessions.values() if not s.ending]:
             await self._end(session_id, reason=reason)

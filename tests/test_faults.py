@@ -180,3 +180,33 @@ def test_a_killed_rollout_replica_fails_its_requests_cleanly_and_returns_on_the_
     assert len(records) == 2  # the failed requests recorded nothing; the answered ones were recorded
     versions = [v for r in records for v, m in zip(r["versions"], r["loss_mask"]) if m]
     assert versions and set(versions) == {1}  # every sampled token came from version 1's weights
+
+
+def test_a_restarted_application_ends_and_exports_the_sessions_it_had_open(faults, ray_session):
+    """The whole application goes (its Serve app and every actor of the run) and is
+    deployed again on the same run folder: the sessions it had open are ended and
+    exported ("restart"), and their keys answer 410."""
+    from ray import serve
+
+    from rlgate.sessions import hash_key
+    from serve_app import build_app
+
+    app = faults
+    key = app.start_session("orphan")["api_key"]
+    body = {"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    assert httpx.post(f"{app.url}/v1/chat/completions", json=body, headers=session(app, key)).status_code == 200
+    serve.delete("gw-faults")
+    for name in ("sessions", "trajectories", "capacity", "policy"):
+        ray_session.kill(ray_session.get_actor(f"rlgate-gw-faults-{name}", namespace="rlgate"))
+
+    serve.run(build_app(app.config, hash_key(app.admin_key)), name="gw-faults", route_prefix="/gw-faults")
+    deadline = time.monotonic() + 60
+    while not [r for r in app.trajectories() if r["task_id"] == "orphan"]:  # /rl/trajectories wakes the store
+        assert time.monotonic() < deadline, "the orphaned session was not exported"
+        httpx.get(f"{app.url}/rl/status", headers=app.admin)
+        time.sleep(0.5)
+    [orphan] = [r for r in app.trajectories() if r["task_id"] == "orphan"]
+    assert orphan["end_reason"] == "restart" and len(orphan["interaction_ids"]) == 1
+    assert httpx.post(f"{app.url}/rl/end_session", headers=session(app, key)).status_code == 410
+    status = httpx.get(f"{app.url}/rl/status", headers=app.admin).json()
+    assert status["sessions"]["open_sessions"] == 0 and status["capacity"]["running"] == 0

@@ -168,7 +168,7 @@ def test_a_job_runs_on_ray_and_reports_results_events_and_metrics(jobsgw, task_a
     assert oct((folder / "task_app_key").stat().st_mode & 0o777) == "0o600"
 
     # Job state lives on disk: a restarted JobManager answers as before.
-    ray.kill(ray.get_actor("rlgate-jobs", namespace="rlgate"))
+    ray.kill(ray.get_actor("rlgate-jobsgw-jobs", namespace="rlgate"))
     time.sleep(1)
     assert job.get_status() == final and len(job.events()) == 6
 

@@ -51,7 +51,7 @@ def job_folder(sec, job_id: str) -> Path:
     """Where the JobManager keeps the job (its records, config and run folder)."""
     import ray
 
-    manager = ray.get_actor("rlgate-jobs", namespace="rlgate")
+    manager = ray.get_actor("rlgate-gw-sec-jobs", namespace="rlgate")
     return Path(ray.get(manager.__ray_call__.remote(lambda self: str(self._folder(job_id)))))
 
 
