@@ -117,10 +117,11 @@ def cluster(tmp_path_factory):
         wait_for("two nodes", lambda: sum(n["state"] == "ALIVE" for n in running.state("nodes")) == 2, 120)
         yield running
     finally:
-        for process in reversed(processes):  # `ray start --block` stops its node's processes on SIGTERM
+        for process in processes:  # `ray start --block` stops its node's processes on SIGTERM (both at once)
             process.terminate()
+        for process in processes:
             try:
-                process.wait(timeout=60)
+                process.wait(timeout=60)  # killed sooner, it leaves its agents running
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
