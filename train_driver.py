@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import sys
@@ -27,6 +26,7 @@ import ray
 from pydantic import ValidationError
 from ray import serve
 
+from actors.trainer import checkpoint_states
 from actors.trajectory_store import last_seq
 from rlgate.batching import GroupBuffer
 from rlgate.config import ConfigError, RLGateConfig, dump_config, load_config
@@ -239,7 +239,7 @@ def evaluation(config: RLGateConfig, step: int, url: str, key: str) -> dict:
 def resume_point(run_dir: Path, resume: bool) -> tuple[int, int, dict | None, Path | None, int]:
     """(step, version, GroupBuffer state, model folder, next trainer command) of the
     latest checkpoint, or a fresh start."""
-    found = {p.parent: json.loads(p.read_text()) for p in run_dir.glob("trainer/checkpoint_*/trainer_state.json")}
+    found = checkpoint_states(run_dir / "trainer")
     if not resume:
         if found:
             raise SystemExit(

@@ -383,15 +383,11 @@ def _last_line(logs: str) -> str | None:
     return lines[-1] if lines else None
 
 
-def job_manager_name(run_name: str) -> str:
-    return f"rlgate-{run_name}-jobs"
-
-
 def get_or_create_job_manager(run_name: str, jobs_dir: str, gateway: dict, max_running: int = 1):
     return (
         ray.remote(JobManager)
         .options(
-            name=job_manager_name(run_name), namespace="rlgate", lifetime="detached", get_if_exists=True, num_cpus=0
+            name=f"rlgate-{run_name}-jobs", namespace="rlgate", lifetime="detached", get_if_exists=True, num_cpus=0
         )
         .remote(jobs_dir, gateway, max_running)
     )

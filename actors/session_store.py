@@ -110,8 +110,7 @@ class SessionStore:
         self.metrics.inc("rlgate_completion_tokens_total", sum(len(i.completion_ids) for i in interactions))
 
     async def check(self, key_hash: str) -> None:
-        """Raise unless the key is a live session's (401 unknown, 410 ended)."""
-        self.manager._live(key_hash)
+        self.manager.check(key_hash)
 
     async def abandon(self, session_id: str) -> None:
         self.manager.abandon(session_id)

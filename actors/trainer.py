@@ -114,6 +114,11 @@ def train_worker(setup: dict) -> None:
         index += 1
 
 
+def checkpoint_states(storage: str | Path) -> dict[Path, dict]:
+    """Each checkpoint folder a run's trainer saved under ``storage``, with its trainer state."""
+    return {p.parent: json.loads(p.read_text()) for p in Path(storage).glob(f"checkpoint_*/{STATE_FILE}")}
+
+
 @contextlib.contextmanager
 def _resume_from(checkpoint, first_held: int, setup: dict):
     """The checkpoint folder to start from (None: the base model). Ray Train's, unless
@@ -124,8 +129,8 @@ def _resume_from(checkpoint, first_held: int, setup: dict):
         folder = Path(stack.enter_context(checkpoint.as_directory())) if checkpoint is not None else None
         resumes_at = json.loads((folder / STATE_FILE).read_text())["next_command"] if folder else 0
         if resumes_at < first_held:
-            states = Path(setup["checkpoints"]).glob(f"checkpoint_*/{STATE_FILE}")
-            found = [s.parent for s in states if json.loads(s.read_text())["next_command"] == first_held]
+            states = checkpoint_states(setup["checkpoints"])
+            found = [folder for folder, state in states.items() if state["next_command"] == first_held]
             if not found:
                 raise RuntimeError(f"no checkpoint resumes at command {first_held} under {setup['checkpoints']}")
             folder = found[0]

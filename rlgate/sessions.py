@@ -309,6 +309,10 @@ class SessionManager:
             return session.id, None
         return session.id, Parent(parent.id, parent.key, parent.sequence, parent.completion_ids[-1:])
 
+    def check(self, key_hash: str) -> None:
+        """Raise unless the key is a live session's (401 unknown, 410 ended)."""
+        self._live(key_hash)
+
     def _changeable(self, key_hash: str) -> Session:
         session = self._live(key_hash)
         if session.save_failed:
