@@ -253,7 +253,6 @@ TOOL_PROBLEMS = ["6 * 7", "12 + 30", "9 - 4", "8 * 8", "15 + 27", "100 - 1", "3 
 
 def tool_episode(expression: str) -> list[tuple[list[dict], str]]:
     """The two turns of a calculator episode: (messages so far, what the assistant writes)."""
-    import json
 
     result = str(eval(expression, {"__builtins__": {}}))  # the fixed problems above only
     question = [{"role": "user", "content": f"What is {expression}?"}]
@@ -270,16 +269,19 @@ def tool_episode(expression: str) -> list[tuple[list[dict], str]]:
     return [(question, call), (answered, f"The answer is {result}.")]
 
 
-def build_tiny_tools(folder: Path, dtype: str) -> None:
-    """tiny-random trained for a few seconds to use a calculator tool: asked
-    "What is 6 * 7?" with the calculator tool, greedy decoding calls it in the
-    Hermes format; given the result, it answers. For tests and demos of real
-    multi-turn tool calling through the engines."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+# tiny-tools trains until every target token beats its runner-up by this many
+# nats (teacher-forced, so greedy decoding reproduces every episode exactly).
+# Engines' float32 kernels differ by ~1e-4 nats; a few nats makes the build
+# and its greedy decoding independent of the CPU, thread count and engine.
+TOOLS_MARGIN_NATS = 5.0
+# The margin left after the weights are cast to the stored dtype (bfloat16
+# rounding moves a tiny model's logits by tenths of a nat).
+TOOLS_STORED_MARGIN_NATS = 2.0
+_TOOLS_MAX_STEPS = 600  # measured: 70-80 steps on AVX-512, AVX2 and default kernels
 
-    build_tiny_random(folder, "float32")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+
+def tool_examples(tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, target ids) of every turn of every tiny-tools episode."""
     examples = []
     for expression in TOOL_PROBLEMS:
         for messages, reply in tool_episode(expression):
@@ -287,6 +289,32 @@ def build_tiny_tools(folder: Path, dtype: str) -> None:
                 messages, tools=[CALCULATOR_TOOL], add_generation_prompt=True, tokenize=False
             )
             examples.append((tokenizer.encode(prompt), tokenizer.encode(reply + tokenizer.eos_token)))
+    return examples
+
+
+def target_margin(model, examples: list[tuple[list[int], list[int]]]) -> float:
+    """The smallest logit margin, in nats, of a target token over the best
+    other token, over every target position of ``examples`` (teacher-forced).
+    Positive means greedy decoding reproduces every target exactly."""
+    import torch
+
+    ids, labels, mask = _padded(examples)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    model.train(was_training)
+    targets = labels[:, 1:]
+    scored = targets != -100
+    logits, targets = logits[scored], targets[scored]
+    right = logits.gather(1, targets[:, None])[:, 0]
+    others = logits.scatter(1, targets[:, None], float("-inf")).max(dim=1).values
+    return (right - others).min().item()
+
+
+def _padded(examples):
+    import torch
+
     width = max(len(p) + len(t) for p, t in examples)
     ids = torch.zeros(len(examples), width, dtype=torch.long)
     labels = torch.full((len(examples), width), -100)
@@ -295,22 +323,51 @@ def build_tiny_tools(folder: Path, dtype: str) -> None:
         ids[row, : len(prompt) + len(target)] = torch.tensor(prompt + target)
         labels[row, len(prompt) : len(prompt) + len(target)] = torch.tensor(target)
         mask[row, : len(prompt) + len(target)] = 1
+    return ids, labels, mask
+
+
+def build_tiny_tools(folder: Path, dtype: str) -> None:
+    """tiny-random trained for a few seconds to use a calculator tool: asked
+    "What is 6 * 7?" with the calculator tool, greedy decoding calls it in the
+    Hermes format; given the result, it answers. For tests and demos of real
+    multi-turn tool calling through the engines.
+
+    Training stops on a margin, not a step count: a fixed count left the model
+    on the edge of memorising its targets, and the CPU's kernels decided which
+    side it landed on."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    build_tiny_random(folder, "float32")
+    examples = tool_examples(AutoTokenizer.from_pretrained(folder))
+    ids, labels, mask = _padded(examples)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     model.train()
-    for _ in range(200):
-        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-    model.eval()
-    with torch.no_grad():
-        for prompt, target in examples:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=len(target), do_sample=False)
-            if out[0, len(prompt) :].tolist() != target:
-                raise RuntimeError("tiny-tools did not learn its episodes; the build is not usable")
-    model.to(getattr(torch, dtype)).save_pretrained(folder, safe_serialization=True)
+    margin, steps = target_margin(model, examples), 0
+    while margin < TOOLS_MARGIN_NATS and steps < _TOOLS_MAX_STEPS:
+        for _ in range(10):
+            model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        steps += 10
+        margin = target_margin(model, examples)
+    if margin < TOOLS_MARGIN_NATS:
+        raise RuntimeError(
+            f"tiny-tools reached a margin of {margin:.2f} nats after {steps} steps "
+            f"(needs {TOOLS_MARGIN_NATS}); the build is not usable. Please report it with "
+            "`python -c 'import torch; print(torch.__config__.show())'`"
+        )
+    model = model.eval().to(getattr(torch, dtype))
+    stored = target_margin(model, examples)
+    if stored < TOOLS_STORED_MARGIN_NATS:
+        raise RuntimeError(
+            f"tiny-tools keeps only {stored:.2f} nats of margin in {dtype} "
+            f"(needs {TOOLS_STORED_MARGIN_NATS}); use float32"
+        )
+    model.save_pretrained(folder, safe_serialization=True)
 
 
 # --- smollm2-135m-instruct --------------------------------------------------
@@ -359,4 +416,4 @@ BUILTINS: dict[str, Callable[[Path, str], None]] = {
     "smollm2-135m-instruct": build_smollm2,
 }
 # Bump when a builder's output changes, so stale caches are rebuilt.
-_BUILD_VERSION = {"tiny-random": "v1", "tiny-tools": "v1", "smollm2-135m-instruct": "v2"}
+_BUILD_VERSION = {"tiny-random": "v1", "tiny-tools": "v2", "smollm2-135m-instruct": "v2"}

@@ -26,7 +26,9 @@ def test_check_parity_on_tiny_random():
     assert float(fields["max_abs_logprob_diff"]) < 1e-4
     assert float(fields["logprob_change_from_update"]) > 1e-2  # the pushed step really moved the model
     assert float(fields["max_abs_logprob_diff_vs_fresh_engine"]) <= 1e-6
-    assert fields["greedy_agreement"] == "8/8"
+    agreement = re.search(r"greedy_agreement=(\d+)/(\d+) \(near ties: (\d+)\)", result.stdout)
+    agree, total, ties = map(int, agreement.groups())
+    assert total == 8 and agree + ties == total  # a near tie may go either way (kernel rounding)
     assert float(fields["weight_update_seconds"]) > 0
     assert "parity: OK" in result.stdout
 

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from rlgate.engines import SamplingParams, collect
+from tests.support import assert_same_greedy
 
 EOS = 2  # <|im_end|> in tiny-random
 
@@ -107,7 +108,7 @@ async def test_prompt_longer_than_the_context_is_refused(engine):
         await run(engine, [5] * 1100, max_tokens=4)
 
 
-async def test_64_concurrent_requests_all_complete_correctly(engine, prompts):
+async def test_64_concurrent_requests_all_complete_correctly(engine, prompts, reference_model):
     singles = [(await run(engine, p, max_tokens=16, temperature=0, ignore_eos=True))[0] for p in prompts]
     requests = [
         run(engine, prompts[i % 4], max_tokens=16, temperature=0, ignore_eos=True)
@@ -118,8 +119,8 @@ async def test_64_concurrent_requests_all_complete_correctly(engine, prompts):
     results = await asyncio.wait_for(asyncio.gather(*requests), timeout=300)
     for i, [out] in enumerate(results):
         assert len(out.token_ids) == 16 and out.finish_reason == "length"
-        if i % 2 == 0:
-            assert out.token_ids == singles[i % 4].token_ids
+        if i % 2 == 0:  # a batch computes in other shapes than a single request: equal up to near ties
+            assert_same_greedy(reference_model, prompts[i % 4], out.token_ids, singles[i % 4].token_ids)
     assert len({tuple(r[0].token_ids) for r in results[1::2]}) > 1
     assert engine.running_requests() == 0
 

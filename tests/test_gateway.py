@@ -241,7 +241,9 @@ def test_sampling_parameters_reach_the_engine(gw):
         model="tiny-tools", messages=ask("Hello"), n=2, seed=3, temperature=1.0, max_tokens=12
     )
     assert [c.message.content for c in again.choices] == [c.message.content for c in two.choices]
-    short = api.chat.completions.create(model="tiny-tools", messages=ask(), max_completion_tokens=3, temperature=0)
+    short = api.chat.completions.create(
+        model="tiny-tools", messages=ask(), max_completion_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3
     stopped = api.chat.completions.create(
         model="tiny-tools",
@@ -260,7 +262,9 @@ def test_sampling_parameters_reach_the_engine(gw):
 def test_legacy_completions_with_text_and_token_ids(gw):
     session = gw.start_session("completions")
     api = client(gw, session["api_key"])
-    text = api.completions.create(model="tiny-tools", prompt="Hello", max_tokens=5, logprobs=2, temperature=0)
+    text = api.completions.create(
+        model="tiny-tools", prompt="Hello", max_tokens=5, logprobs=2, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert len(text.choices[0].logprobs.tokens) == 5
     tokens = api.completions.create(model="tiny-tools", prompt=[5, 6, 7, 8], max_tokens=4, temperature=0)
     assert tokens.usage.prompt_tokens == 4 and tokens.choices[0].finish_reason in ("length", "stop")

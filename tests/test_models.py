@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from rlgate.models import ModelNotFoundError, prepare_model
+from tests.conftest import needs_vllm
 
 
 def _digest(folder):
@@ -133,3 +136,65 @@ def test_smollm2_from_the_wheel_loads_in_transformers():
     out = model.generate(torch.tensor([ids["input_ids"]]), max_new_tokens=8, do_sample=False)
     reply = tokenizer.decode(out[0, len(ids["input_ids"]) :], skip_special_tokens=True)
     assert reply.strip()  # a real instruct model answers with text
+
+
+def _capabilities() -> list[str]:
+    """ATen kernel sets this CPU can run: the default (scalar) one, and the
+    vector ones its flags allow."""
+    flags = set(open("/proc/cpuinfo").read().split()) if sys.platform == "linux" else set()
+    return ["default"] + [c for c, flag in (("avx2", "avx2"), ("avx512", "avx512f")) if flag in flags]
+
+
+_BUILD_TOOLS = """
+import json, sys, torch
+from pathlib import Path
+from rlgate.models import build_tiny_tools
+build_tiny_tools(Path(sys.argv[1]), "float32")
+print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}))
+"""
+
+
+@needs_vllm
+async def test_tiny_tools_builds_under_every_kernel_set_and_plays_greedily_in_vllm(tmp_path, vllm_engine, tiny_path):
+    """tiny-tools trains to a margin, so whichever kernels build it (ATen's
+    default, AVX2 or AVX-512 kernels, one or two threads), the result decodes
+    every episode greedily, token for token, in vLLM, whose kernels differ again."""
+    import asyncio
+
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from rlgate.engines import SamplingParams, collect
+    from rlgate.models import tool_examples
+
+    builds = {(cap, threads): tmp_path / f"{cap}-{threads}" for cap in _capabilities() for threads in (1, 2)}
+
+    def build(key):
+        (cap, threads), folder = key, builds[key]
+        folder.mkdir()
+        env = os.environ | {"ATEN_CPU_CAPABILITY": cap, "OMP_NUM_THREADS": str(threads)}
+        done = subprocess.run(
+            [sys.executable, "-c", _BUILD_TOOLS, str(folder)], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, f"{cap}, {threads} threads: {done.stderr[-2000:]}"
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two builds at a time on two cores
+        seen = dict(zip(builds, pool.map(build, builds)))
+    for (cap, threads), ran in seen.items():
+        assert ran == {"capability": cap.upper(), "threads": threads}  # the build really ran on those kernels
+
+    tokenizer = AutoTokenizer.from_pretrained(next(iter(builds.values())))
+    assert len({(f / "tokenizer.json").read_bytes() for f in builds.values()}) == 1  # one tokenizer everywhere
+    examples = tool_examples(tokenizer)
+    greedy = [SamplingParams(max_tokens=len(target) + 4, temperature=0) for _, target in examples]
+    try:
+        for key, folder in builds.items():
+            # tiny-tools is tiny-random's shape: the shared engine serves each build's weights in turn
+            await vllm_engine.update_weights(str(folder / "model.safetensors"), vllm_engine.version + 1)
+            outs = await asyncio.gather(*[collect(vllm_engine.generate(p, s)) for (p, _), s in zip(examples, greedy)])
+            for (prompt, target), [out] in zip(examples, outs):
+                said = tokenizer.decode(out.token_ids)
+                assert out.token_ids == target, f"{key}: {tokenizer.decode(prompt)!r} -> {said!r}"
+    finally:
+        await vllm_engine.update_weights(load_file(tiny_path / "model.safetensors"), vllm_engine.version + 1)

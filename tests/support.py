@@ -1,0 +1,32 @@
+"""Helpers shared by test modules that are not fixtures."""
+
+from __future__ import annotations
+
+# Two tokens whose reference logprobs are this close are a near tie: which one
+# greedy decoding picks is decided by kernel rounding (CPU model, thread count,
+# engine, batch shape), not by the model. Engines agree with the float32
+# reference to ~1e-5 nats, so 1e-3 is a wide berth on both sides.
+GREEDY_TIE_NATS = 1e-3
+
+
+def assert_same_greedy(reference, prompt: list[int], a: list[int], b: list[int], tol: float = GREEDY_TIE_NATS) -> int:
+    """Two greedy decodings of ``prompt`` agree token for token, or part ways
+    only at a near tie of ``reference`` (both tokens within ``tol`` nats of the
+    best). Returns how many leading tokens they share."""
+    import torch
+
+    a, b = list(a), list(b)
+    assert len(a) == len(b), f"greedy decodings of different lengths: {len(a)} and {len(b)}"
+    shared = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+    if shared == len(a):
+        return shared
+    with torch.no_grad():
+        logits = reference(torch.tensor([list(prompt) + a[:shared]])).logits[0, -1].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    best = logprobs.max().item()
+    gaps = best - logprobs[a[shared]].item(), best - logprobs[b[shared]].item()
+    assert max(gaps) < tol, (
+        f"greedy decodings part at token {shared} ({a[shared]} vs {b[shared]}), "
+        f"{max(gaps):.2e} nats from the best: not a near tie (< {tol:.0e})"
+    )
+    return shared
