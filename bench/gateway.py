@@ -34,6 +34,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cost import cpu_seconds, per_turn, spent  # noqa: E402
+
 from rlgate.models import prepare_model  # noqa: E402
 
 QUESTIONS = [
@@ -55,7 +58,8 @@ def free_port() -> int:
 
 
 async def drive(base_url: str, keys: list[str], model: str, requests: int, max_tokens: int):
-    """Run len(keys) clients concurrently; return (latencies, seconds, completion tokens)."""
+    """Run len(keys) clients concurrently; return (latencies, seconds, completion tokens,
+    CPU-seconds the servers spent per process)."""
     latencies: list[float] = []
     tokens = 0
 
@@ -72,14 +76,15 @@ async def drive(base_url: str, keys: list[str], model: str, requests: int, max_t
             tokens += reply.usage.completion_tokens
         await api.close()
 
-    started = time.perf_counter()
+    started, cpu_before = time.perf_counter(), cpu_seconds()
     await asyncio.gather(*[client(i, key) for i, key in enumerate(keys)])
-    return latencies, time.perf_counter() - started, tokens
+    return latencies, time.perf_counter() - started, tokens, spent(cpu_before, cpu_seconds())
 
 
-def summarise(latencies, seconds, tokens) -> dict:
+def summarise(latencies, seconds, tokens, cpu) -> dict:
     ordered = sorted(latencies)
     return {
+        "cpu_ms_per_request": per_turn(cpu, len(latencies)),
         "requests_per_s": len(latencies) / seconds,
         "tokens_per_s": tokens / seconds,
         "p50_s": statistics.median(ordered),
@@ -221,7 +226,7 @@ def main() -> None:
     ours = bench_rlgate(args.model, args.concurrency, args.requests, args.max_tokens)
     expected = sum(args.concurrency) * args.requests + 1  # + the warm-up session
     table = Table(title=f"chat completions, {args.model}, max_tokens={args.max_tokens}, greedy, {os.cpu_count()} CPUs")
-    for column in ("concurrency", "server", "req/s", "tok/s", "p50 s", "p99 s", "rlgate / vLLM req/s"):
+    for column in ("concurrency", "server", "req/s", "tok/s", "p50 s", "p99 s", "CPU ms/req", "rlgate / vLLM req/s"):
         table.add_column(column, justify="right")
     for c in args.concurrency:
         for name, result in (("vllm serve", peer[c]), ("rlgate gateway", ours[c])):
@@ -233,11 +238,16 @@ def main() -> None:
                 f"{result['tokens_per_s']:.0f}",
                 f"{result['p50_s']:.2f}",
                 f"{result['p99_s']:.2f}",
+                f"{result['cpu_ms_per_request']['total']:.1f}",
                 ratio,
             )
     console = Console(width=140)
     console.print(table)
     console.print(f"trajectories saved by rlgate: {ours['trajectories_saved']} (expected {expected})")
+    top = max(args.concurrency)
+    for name, result in (("vLLM", peer[top]), ("rlgate", ours[top])):
+        parts = ", ".join(f"{k} {v}" for k, v in result["cpu_ms_per_request"].items() if k != "total")
+        console.print(f"CPU ms per request at concurrency {top}, {name}: {parts}")
     if args.json:
         args.json.write_text(json.dumps({"vllm": peer, "rlgate": ours}, indent=2))
 

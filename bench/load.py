@@ -37,6 +37,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import httpx  # noqa: E402
 import openai  # noqa: E402
 import psutil  # noqa: E402
+from cost import cpu_seconds, per_turn, spent  # noqa: E402
 from gateway import QUESTIONS, free_port, vllm_server  # noqa: E402
 
 from rlgate.models import prepare_model  # noqa: E402
@@ -66,7 +67,7 @@ class Tally:
             self.latencies[call].append(time.perf_counter() - started)
         return result if status < 400 else None
 
-    def summary(self, seconds: float) -> dict:
+    def summary(self, seconds: float, cpu: dict[str, float]) -> dict:
         def pct(values, q):
             ordered = sorted(values)
             return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
@@ -82,6 +83,7 @@ class Tally:
             },
             "statuses": dict(sorted(self.statuses.items())),
             "errors": sum(n for k, n in self.statuses.items() if not k.endswith(" 200")),
+            "cpu_ms_per_turn": per_turn(cpu, len(self.latencies["chat"])),
         }
 
 
@@ -154,9 +156,9 @@ async def run_rlgate(url: str, admin: str, args) -> dict:
                     peak.update(open=open_now, rss=rss_of(markers))
                 await asyncio.sleep(1)
 
-    started = time.monotonic()
+    started, cpu_before = time.monotonic(), cpu_seconds()
     await asyncio.gather(sample(), *[rlgate_agent(url, admin, i, args, tally, deadline) for i in range(args.sessions)])
-    result = tally.summary(time.monotonic() - started)
+    result = tally.summary(time.monotonic() - started, spent(cpu_before, cpu_seconds()))
     result["peak_open_sessions"] = peak["open"]
     result["rss_per_open_session_kib"] = (peak["rss"] - baseline) / max(1, peak["open"]) / 1024
     async with httpx.AsyncClient(timeout=600) as http:
@@ -211,13 +213,13 @@ def bench_peer(args) -> dict:
     with vllm_server(prepare_model(args.model)) as url:
         tally = Tally()
         deadline = time.monotonic() + args.seconds
-        started = time.monotonic()
+        started, cpu_before = time.monotonic(), cpu_seconds()
 
         async def agents():
             await asyncio.gather(*[peer_agent(url, i, args, tally, deadline) for i in range(args.sessions)])
 
         asyncio.run(agents())
-        return tally.summary(time.monotonic() - started)
+        return tally.summary(time.monotonic() - started, spent(cpu_before, cpu_seconds()))
 
 
 def main() -> None:
@@ -239,7 +241,8 @@ def main() -> None:
         title=f"{args.sessions} agents x {args.turns} turns, {args.seconds:g} s, {args.model}, "
         f"max_tokens={args.max_tokens}, {os.cpu_count()} CPUs"
     )
-    for column in ("server", "sessions/s", "turns/s", "chat p50 s", "chat p99 s", "errors", "rlgate / vLLM turns/s"):
+    columns = ("server", "sessions/s", "turns/s", "chat p50 s", "chat p99 s", "errors", "CPU ms/turn", "rlgate / vLLM")
+    for column in columns:
         table.add_column(column, justify="right")
     for name, result in (("vllm serve (peer)", peer), ("rlgate gateway", ours)):
         chat = result["latency_s"].get("chat", {"p50": float("nan"), "p99": float("nan")})
@@ -250,7 +253,11 @@ def main() -> None:
             f"{chat['p50']:.2f}",
             f"{chat['p99']:.2f}",
             str(result["errors"]),
-            f"{ours['turns_per_s'] / peer['turns_per_s']:.2f}" if name.startswith("rlgate") else "",
+            f"{result['cpu_ms_per_turn']['total']:.1f}",
+            f"{ours['turns_per_s'] / peer['turns_per_s']:.2f}x turns/s, "
+            f"{ours['cpu_ms_per_turn']['total'] / peer['cpu_ms_per_turn']['total']:.2f}x CPU/turn"
+            if name.startswith("rlgate")
+            else "",
         )
     console = Console(width=140)
     console.print(table)
@@ -261,6 +268,9 @@ def main() -> None:
         f"each exactly once with all its turns: {ours['saved_exactly_once']}"
     )
     console.print(f"answers: rlgate {ours['statuses']}; vLLM {peer['statuses']}")
+    for name, result in (("vLLM", peer), ("rlgate", ours)):
+        parts = ", ".join(f"{label} {ms}" for label, ms in result["cpu_ms_per_turn"].items() if label != "total")
+        console.print(f"CPU ms per turn, {name}: {parts}")
     if args.json:
         args.json.write_text(json.dumps({"vllm": peer, "rlgate": ours}, indent=2))
     if not ours["saved_exactly_once"] or ours["errors"]:
