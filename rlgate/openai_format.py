@@ -29,26 +29,42 @@ class TextStream:
     ``longest stop string - 1`` characters wait until it is clear they do not
     begin a stop string. ``finish(stop_reason)`` returns the rest, cut before a
     matched stop string. Everything returned concatenates to ``visible_text``.
+
+    Each token costs a constant amount of work: fast tokenizers decode through
+    ``tokenizers``' ``DecodeStream`` (a window of a few tokens, as vLLM's
+    detokenizer does); re-decoding the whole completion per chunk made a long
+    streamed completion quadratic on the gateway's event loop.
     """
 
     def __init__(self, tokenizer, stops: list[str]) -> None:
+        from tokenizers.decoders import DecodeStream
+
         self.tokenizer = tokenizer
         self.ids: list[int] = []
+        self.text = ""  # decoded so far (complete characters only)
         self.sent = 0
         self.stops = [s for s in stops if s]
         self.hold = max((len(s) for s in stops), default=1) - 1
+        self._decoder = DecodeStream(skip_special_tokens=True) if getattr(tokenizer, "is_fast", False) else None
 
-    def _text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+    def _decode(self, token_ids: list[int]) -> None:
+        if self._decoder is None:  # a slow tokenizer: decode everything again
+            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            if self.text.endswith("\ufffd"):  # a multi-byte character not yet complete
+                self.text = self.text.rstrip("\ufffd")
+            return
+        for token_id in token_ids:
+            piece = self._decoder.step(self.tokenizer.backend_tokenizer, token_id)
+            if piece:  # None while a character is incomplete
+                self.text += piece
 
     def push(self, token_ids: list[int]) -> str:
         self.ids += token_ids
-        text = self._text()
-        if text.endswith("\ufffd"):  # a multi-byte character not yet complete
-            return ""
+        self._decode(token_ids)
+        text = self.text
         safe = len(text) - self.hold
         for stop in self.stops:  # never send a stop string, nor what follows it
-            at = text.find(stop)
+            at = text.find(stop, self.sent)  # sent text holds no stop: the hold saw to that
             if at != -1:
                 safe = min(safe, at)
         if safe <= self.sent:

@@ -126,3 +126,28 @@ def test_chat_logprobs_shapes(tok):
     plain = chat_logprobs(text_of, ids, logprobs, None)
     assert len(plain) == 3 and all(e.top_logprobs == [] for e in plain)
     assert chat_logprobs(text_of, [], [], None) == []
+
+
+def test_text_stream_decodes_each_token_once(tok):
+    """Streaming never decodes the whole completion again per chunk (that made
+    a long stream quadratic): pushes decode only the new tokens, and only the
+    end decodes everything, once."""
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.decoded = inner, 0
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def decode(self, ids, **kwargs):
+            self.decoded += len(ids)
+            return self.inner.decode(ids, **kwargs)
+
+    counting = Counting(tok)
+    ids = ids_of(tok, "The answer is 42. " * 200, end=False)
+    stream = TextStream(counting, ["STOP"])
+    pieces = [stream.push([i]) for i in ids]
+    assert counting.decoded == 0
+    assert "".join(pieces) + stream.finish(None) == "The answer is 42. " * 200
+    assert counting.decoded == len(ids)
