@@ -218,8 +218,8 @@ def _choice_id(completion_id: str, index: int) -> str:
 class _Turn:
     """One chat completion request: generate, shape the answer, record the interactions."""
 
-    def __init__(self, gateway: Gateway, request, session_id, prompt_ids, parent_id, messages_key, use_tools):
-        self.g, self.request = gateway, request
+    def __init__(self, gateway: Gateway, request, params, session_id, prompt_ids, parent_id, messages_key, use_tools):
+        self.g, self.request, self.params = gateway, request, params
         self.session_id, self.prompt_ids, self.parent_id = session_id, prompt_ids, parent_id
         self.messages_key, self.use_tools = messages_key, use_tools
         self.id = "chatcmpl-" + secrets.token_hex(12)
@@ -248,7 +248,7 @@ class _Turn:
             finish_reason=completion.finish_reason,
             parent=self.parent_id,
             key=extend_key(self.messages_key, message),
-            temperature=self.request.temperature,
+            temperature=self.params.temperature,  # as sampled (after the engines' floors)
         )
 
     def _finish_reason(self, completion, calls) -> str:
@@ -752,7 +752,7 @@ class Gateway:
                     ) from None
             self._check_prompt(prompt_ids)
             use_tools = self.tool_parser is not None and tools is not None and request.tool_choice != "none"
-            turn = _Turn(self, request, session_id, prompt_ids, parent_id, keys[-1], use_tools)
+            turn = _Turn(self, request, params, session_id, prompt_ids, parent_id, keys[-1], use_tools)
             if request.stream:
                 # nothing is sent before the engine's first token: a refusal (saturated, down) is a status code
                 chunks = await self._started(prompt_ids, params)
@@ -795,7 +795,7 @@ class Gateway:
                 logprobs=c.logprobs,
                 versions=c.versions,
                 finish_reason=c.finish_reason,
-                temperature=request.temperature,
+                temperature=params.temperature,
             )
             for c in completions
         ]

@@ -185,3 +185,39 @@ async def test_health_reports_engine_and_version(engine):
     assert health.ready and health.engine in ("vllm", "hf")
     assert health.version == engine.version and health.running_requests == 0
     await engine.check_alive()
+
+
+@pytest.mark.parametrize("temperature, applied", [(1e-300, 0.0), (9e-6, 0.0), (1e-3, 0.01), (0.5, 0.5)])
+def test_temperatures_below_the_floors_are_greedy_or_raised(temperature, applied):
+    """vLLM's floors, for every engine: logits over 1e-300 overflow to inf and NaN."""
+    assert SamplingParams(temperature=temperature).temperature == applied
+
+
+async def test_a_vanishing_temperature_samples_greedily(engine, prompts):
+    [greedy] = await run(engine, prompts[1], max_tokens=12, temperature=0, ignore_eos=True)
+    [tiny] = await run(engine, prompts[1], max_tokens=12, temperature=1e-300, seed=3, ignore_eos=True)
+    assert tiny.token_ids == greedy.token_ids and all(lp <= 0 for lp in tiny.logprobs)
+
+
+async def test_a_row_that_fails_fails_only_its_own_request(hf_engine, prompts, monkeypatch):
+    """The HF engine batches up to 64 requests in one forward pass; an error
+    sampling one of them ends that request, and the others complete."""
+    real = type(hf_engine)._sample_and_emit
+
+    def flaky(self, row, logits, version):
+        if row.params.seed == 13:
+            raise RuntimeError("sampling failed for this row")
+        return real(self, row, logits, version)
+
+    monkeypatch.setattr(type(hf_engine), "_sample_and_emit", flaky)
+    results = await asyncio.gather(
+        *[
+            run(hf_engine, prompts[i % 4], max_tokens=8, temperature=1.0, seed=10 + i, ignore_eos=True)
+            for i in range(8)
+        ],
+        return_exceptions=True,
+    )
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert len(failed) == 1 and "sampling failed for this row" in str(failed[0])
+    assert all(len(r[0].token_ids) == 8 for r in results if not isinstance(r, BaseException))
+    assert hf_engine.running_requests() == 0

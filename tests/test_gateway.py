@@ -259,6 +259,21 @@ def test_sampling_parameters_reach_the_engine(gw):
     httpx.post(f"{gw.url}/rl/end_session", headers=session_headers(session["api_key"]))
 
 
+def test_a_vanishing_temperature_is_greedy_and_recorded_as_sampled(gw):
+    """temperature=1e-300 overflowed the HF engine's logits and failed its whole
+    batch; below 1e-5 every engine samples greedily, and the trajectory says so."""
+    session = gw.start_session("vanishing")
+    api = client(gw, session["api_key"])
+    tiny = api.chat.completions.create(model="tiny-tools", messages=ask(), tools=[CALCULATOR_TOOL], temperature=1e-300)
+    greedy = api.chat.completions.create(model="tiny-tools", messages=ask(), tools=[CALCULATOR_TOOL], temperature=0)
+    [called] = tiny.choices[0].message.tool_calls  # tiny-tools' learned call, as greedy decoding makes it
+    assert called.function == greedy.choices[0].message.tool_calls[0].function
+    httpx.post(f"{gw.url}/rl/end_session", headers=session_headers(session["api_key"]))
+    records = [r for r in gw.trajectories() if r["session_id"] == session["session_id"]]
+    assert records and all(t in (0.0, 1.0) for r in records for t in r["temperatures"])
+    assert all(0.0 in r["temperatures"] for r in records)  # the completion's tokens: sampled greedily
+
+
 def test_legacy_completions_with_text_and_token_ids(gw):
     session = gw.start_session("completions")
     api = client(gw, session["api_key"])

@@ -22,12 +22,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 if TYPE_CHECKING:
     import torch
 
 FinishReason = Literal["stop", "length", "abort"]
+
+# vLLM's floors, applied here so every engine (and the trainer, which replays
+# the recorded temperature) agrees: below GREEDY_BELOW sampling is greedy, and
+# a temperature under MIN_TEMPERATURE is raised to it. Logits over 1e-300
+# overflow to inf and NaN, which failed a whole batch on the HF engine.
+GREEDY_BELOW = 1e-5
+MIN_TEMPERATURE = 1e-2
 
 
 class SamplingParams(BaseModel):
@@ -36,7 +43,9 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_tokens: int = Field(16, ge=1, description="Most tokens to generate per completion.")
-    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 means greedy.")
+    temperature: float = Field(
+        1.0, ge=0.0, le=100.0, description="0 (or below 1e-5) means greedy; (0, 0.01) is raised to 0.01."
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables.")
     stop: tuple[str, ...] = Field((), description="Stop strings (matched on decoded text).")
@@ -45,6 +54,13 @@ class SamplingParams(BaseModel):
     n: int = Field(1, ge=1, le=128, description="Completions per prompt.")
     top_logprobs: int = Field(0, ge=0, le=20, description="Alternatives reported per token.")
     ignore_eos: bool = Field(False, description="Keep going past the end-of-sequence token.")
+
+    @field_validator("temperature")
+    @classmethod
+    def _floor(cls, value: float) -> float:
+        if value < GREEDY_BELOW:
+            return 0.0
+        return max(value, MIN_TEMPERATURE)
 
 
 @dataclass

@@ -202,8 +202,13 @@ class HFEngine(Engine):
                     version = self.version
                 next_tokens = []
                 for slot, row_index in enumerate(live):
-                    row = rows[row_index]
-                    token = self._sample_and_emit(row, logits[slot], version) if not row.cancelled else None
+                    row, token = rows[row_index], None
+                    if not row.cancelled:
+                        try:
+                            token = self._sample_and_emit(row, logits[slot], version)
+                        except Exception as err:  # one bad row fails its own request, not the batch
+                            row.done = True
+                            row.queue.put_nowait(err)
                     next_tokens.append(token)
                 keep = [slot for slot, token in enumerate(next_tokens) if token is not None]
                 if not keep:
