@@ -52,7 +52,15 @@ from rlgate.toolcalls import detect_parser, get_parser
 from rlgate.trajectory import Interaction
 
 NAMESPACE = "rlgate"
-app = FastAPI(title="rlgate gateway", description="OpenAI-compatible session gateway for online RL.")
+# Only /health answers without a key: the OpenAPI document is an admin route
+# (below), and the interactive pages are off.
+app = FastAPI(
+    title="rlgate gateway",
+    description="OpenAI-compatible session gateway for online RL.",
+    openapi_url=None,
+    docs_url=None,
+    redoc_url=None,
+)
 
 
 class HTTPError(Exception):
@@ -459,6 +467,11 @@ class Gateway:
             return error_response(503, f"rollout engine not ready: {err.__class__.__name__}")
         return {"status": "ok", "workers": self.settings.rollout.replicas, "policy_version": engine["version"]}
 
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, raw: Request, authorization: str | None = Header(None)):
+        self._admin(authorization)
+        return raw.app.openapi()
+
     @app.get("/rl/status")
     async def status(self, authorization: str | None = Header(None)):
         self._admin(authorization)
@@ -718,7 +731,6 @@ class Gateway:
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat_completions(self, request: api.ChatCompletionRequest, authorization: str | None = Header(None)):
-        self._check_request(request)
         key_hash = self._session_key(authorization)
         if self.renderer is None:
             raise HTTPError(400, "this model has no chat template; use /v1/completions")
@@ -737,6 +749,7 @@ class Gateway:
         session_id, parent = await self._call(self.sessions.begin.remote(key_hash, candidates))
         turn, streaming = None, False
         try:  # from here the request is in flight in its session until recorded or abandoned
+            self._check_request(request)  # after the key is known good: its errors name the served models
             prompt_ids = None
             if parent is not None:
                 prompt_ids = self.renderer.continuation_ids(
@@ -766,7 +779,6 @@ class Gateway:
     @app.post("/v1/completions")
     @app.post("/completions")
     async def completions(self, request: api.CompletionRequest, authorization: str | None = Header(None)):
-        self._check_request(request)
         key_hash = self._session_key(authorization)
         if isinstance(request.prompt, str):
             prompt_ids = self.tokenizer.encode(request.prompt)
@@ -779,9 +791,10 @@ class Gateway:
         self._check_prompt(prompt_ids)
         if request.stream:
             raise HTTPError(400, "'stream' is supported on /v1/chat/completions only", param="stream")
-        params = self._sampling(request, request.max_tokens, request.logprobs or 0)
         session_id, _ = await self._call(self.sessions.begin.remote(key_hash, []))
         try:
+            self._check_request(request)  # after the key is known good: its errors name the served models
+            params = self._sampling(request, request.max_tokens, request.logprobs or 0)
             completions = await self._generate_all(prompt_ids, params)
         except BaseException:
             self.sessions.abandon.remote(session_id)

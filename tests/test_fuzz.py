@@ -33,7 +33,7 @@ def fuzz(ray_session, tmp_path_factory):
     app = start_gateway(ray_session, tmp_path_factory, "gw-fuzz", SETTINGS)
     session = app.start_session("fuzz")
     app.session_key = session["api_key"]
-    document = httpx.get(f"{app.url}/openapi.json").json()
+    document = httpx.get(f"{app.url}/openapi.json", headers=app.admin).json()
     app.operations = [
         (method.upper(), path)
         for path, item in document["paths"].items()

@@ -68,6 +68,12 @@ def routes(job_id: str, interaction: str) -> list[tuple[str, str, dict | None, d
     too_big = {"config": {"model": {"name": "tiny-random"}, "rollout": {"num_gpus": 64}}}
     return [
         ("GET", "/health", None, {"*": 200}),
+        ("GET", "/openapi.json", None, ADMIN_ROUTE),
+        ("GET", "/docs", None, {"*": 404}),
+        ("GET", "/redoc", None, {"*": 404}),
+        # the served model names are told to a live session only
+        ("POST", "/v1/chat/completions", chat | {"model": "no-such-model"}, SESSION_ROUTE | {"own": 404, "other": 404}),
+        ("POST", "/v1/completions", text | {"model": "no-such-model"}, SESSION_ROUTE | {"own": 404, "other": 404}),
         ("GET", "/rl/status", None, ADMIN_ROUTE),
         ("GET", "/rl/trajectories", None, ADMIN_ROUTE),
         ("POST", "/rl/start_session", {"task_id": "matrix", "train": False}, ADMIN_ROUTE),
