@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
-import secrets
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from actors.rollout_server import RolloutServer
 from rlgate.config import RLGateConfig, load_config
 from rlgate.models import BUILTIN_DTYPES, prepare_model
 from rlgate.placement import replica_bundle
-from rlgate.sessions import hash_key
+from rlgate.sessions import hash_key, new_key
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "serve.toml"
 # Keys published in other projects' docs and examples: never acceptable off loopback.
@@ -52,7 +51,7 @@ def admin_key(host: str) -> tuple[str, bool]:
     if not key and os.environ.get("RLGATE_ADMIN_KEY_FILE"):  # how RL jobs get theirs (env vars are visible in Ray)
         key = Path(os.environ["RLGATE_ADMIN_KEY_FILE"]).read_text().strip()
     if not key:
-        return "rlg-admin-" + secrets.token_urlsafe(24), True
+        return new_key("rlg-admin-"), True
     if not is_loopback(host) and (key in KNOWN_WEAK_KEYS or len(key) < MIN_KEY_LENGTH):
         raise SystemExit(
             f"rlgate: refusing to bind {host} with a weak RLGATE_ADMIN_KEY (a published default or under "

@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from rlgate import jobs
 from rlgate.config import ConfigError, dump_config
 from rlgate.placement import cluster_nodes, plan, unplaceable
-from rlgate.sessions import SessionError, hash_key, same_secret
+from rlgate.sessions import SessionError, hash_key, new_key, same_secret
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,7 +136,7 @@ class JobManager:
         if problem:
             raise SessionError(422, problem)
         job_id = "job-" + secrets.token_hex(6)
-        key = "rlg-job-" + secrets.token_urlsafe(24)
+        key = new_key("rlg-job-")
         self._folder(job_id).mkdir(parents=True)
         if request.task_app_api_key:  # the task app's key: a file for the driver, never in job.json
             _secret_file(self._folder(job_id) / "task_app_key", request.task_app_api_key)
@@ -238,7 +238,7 @@ class JobManager:
         config_path = folder / "config.toml"
         entrypoint = shlex.join([self.python, str(ROOT / "train_driver.py"), "--config", str(config_path)])
         # Secrets reach the driver as files only it can read: Ray keeps a job's env vars in its job info.
-        admin_file = _secret_file(folder / "admin_key", "rlg-admin-" + secrets.token_urlsafe(24))
+        admin_file = _secret_file(folder / "admin_key", new_key("rlg-admin-"))
         env = {
             "RLGATE_ADMIN_KEY_FILE": str(admin_file),  # the job's own gateway, used by its driver alone
             "PYTHONPATH": str(ROOT),

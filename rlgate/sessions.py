@@ -372,8 +372,16 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+KEY_BYTES = 32  # every key rlgate makes is 256 random bits
+
+
+def new_key(prefix: str) -> str:
+    """A fresh secret: ``prefix`` and 256 random bits, URL-safe."""
+    return prefix + secrets.token_urlsafe(KEY_BYTES)
+
+
 def new_session_key() -> str:
-    return "rlg-" + secrets.token_urlsafe(32)
+    return new_key("rlg-")
 
 
 def same_secret(given: str, expected: str) -> bool:

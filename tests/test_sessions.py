@@ -424,3 +424,22 @@ async def test_a_session_group_size_is_carried_into_its_records():
     by_session = {r["session_id"]: r for r in persist.records}
     assert by_session[sized_id]["group_size"] == 3
     assert "group_size" not in by_session[plain_id]
+
+
+def test_every_generated_key_is_256_random_bits(monkeypatch):
+    import base64
+
+    from serve_app import admin_key
+
+    monkeypatch.delenv("RLGATE_ADMIN_KEY", raising=False)
+    monkeypatch.delenv("RLGATE_ADMIN_KEY_FILE", raising=False)
+    generated, made = admin_key("127.0.0.1")
+    assert made
+    # session keys, RL job keys (the JobManager's new_key("rlg-job-")), a job's admin key, the gateway's own
+    for prefix, key in [
+        ("rlg-", new_session_key()),
+        ("rlg-job-", sessions.new_key("rlg-job-")),
+        ("rlg-admin-", generated),
+    ]:
+        assert key.startswith(prefix)
+        assert len(base64.urlsafe_b64decode(key.removeprefix(prefix) + "=")) == 32
