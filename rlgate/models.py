@@ -253,7 +253,6 @@ TOOL_PROBLEMS = ["6 * 7", "12 + 30", "9 - 4", "8 * 8", "15 + 27", "100 - 1", "3 
 
 def tool_episode(expression: str) -> list[tuple[list[dict], str]]:
     """The two turns of a calculator episode: (messages so far, what the assistant writes)."""
-
     result = str(eval(expression, {"__builtins__": {}}))  # the fixed problems above only
     question = [{"role": "user", "content": f"What is {expression}?"}]
     arguments = json.dumps({"expression": expression})
@@ -292,13 +291,13 @@ def tool_examples(tokenizer) -> list[tuple[list[int], list[int]]]:
     return examples
 
 
-def target_margin(model, examples: list[tuple[list[int], list[int]]]) -> float:
+def target_margin(model, batch) -> float:
     """The smallest logit margin, in nats, of a target token over the best
-    other token, over every target position of ``examples`` (teacher-forced).
-    Positive means greedy decoding reproduces every target exactly."""
+    other token, over every target position of ``batch`` (``padded(examples)``,
+    teacher-forced). Positive means greedy decoding reproduces every target exactly."""
     import torch
 
-    ids, labels, mask = _padded(examples)
+    ids, labels, mask = batch
     was_training = model.training
     model.eval()
     with torch.no_grad():
@@ -312,7 +311,8 @@ def target_margin(model, examples: list[tuple[list[int], list[int]]]) -> float:
     return (right - others).min().item()
 
 
-def _padded(examples):
+def padded(examples):
+    """(input ids, labels with -100 off the targets, attention mask) of ``examples``."""
     import torch
 
     width = max(len(p) + len(t) for p, t in examples)
@@ -339,13 +339,13 @@ def build_tiny_tools(folder: Path, dtype: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     build_tiny_random(folder, "float32")
-    examples = tool_examples(AutoTokenizer.from_pretrained(folder))
-    ids, labels, mask = _padded(examples)
+    batch = padded(tool_examples(AutoTokenizer.from_pretrained(folder)))
+    ids, labels, mask = batch
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     model.train()
-    margin, steps = target_margin(model, examples), 0
+    margin, steps = target_margin(model, batch), 0
     while margin < TOOLS_MARGIN_NATS and steps < _TOOLS_MAX_STEPS:
         for _ in range(10):
             model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
@@ -353,7 +353,7 @@ def build_tiny_tools(folder: Path, dtype: str) -> None:
             optimizer.step()
             optimizer.zero_grad()
         steps += 10
-        margin = target_margin(model, examples)
+        margin = target_margin(model, batch)
     if margin < TOOLS_MARGIN_NATS:
         raise RuntimeError(
             f"tiny-tools reached a margin of {margin:.2f} nats after {steps} steps "
@@ -361,7 +361,7 @@ def build_tiny_tools(folder: Path, dtype: str) -> None:
             "`python -c 'import torch; print(torch.__config__.show())'`"
         )
     model = model.eval().to(getattr(torch, dtype))
-    stored = target_margin(model, examples)
+    stored = target_margin(model, batch)
     if stored < TOOLS_STORED_MARGIN_NATS:
         raise RuntimeError(
             f"tiny-tools keeps only {stored:.2f} nats of margin in {dtype} "

@@ -45,13 +45,12 @@ class TextStream:
         self.sent = 0
         self.stops = [s for s in stops if s]
         self.hold = max((len(s) for s in stops), default=1) - 1
-        self._decoder = DecodeStream(skip_special_tokens=True) if getattr(tokenizer, "is_fast", False) else None
+        self._decoder = DecodeStream(skip_special_tokens=True) if tokenizer.is_fast else None
 
     def _decode(self, token_ids: list[int]) -> None:
         if self._decoder is None:  # a slow tokenizer: decode everything again
-            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-            if self.text.endswith("\ufffd"):  # a multi-byte character not yet complete
-                self.text = self.text.rstrip("\ufffd")
+            # a multi-byte character not yet complete waits for its next token
+            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")
             return
         for token_id in token_ids:
             piece = self._decoder.step(self.tokenizer.backend_tokenizer, token_id)
