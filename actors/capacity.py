@@ -65,7 +65,7 @@ class CapacityActor:
             return self._free() > 0
         if self.reservations.joins(task_id):  # its slot is held: only max_concurrent applies
             return self.running < self.rule.max_concurrent
-        return self._free() >= self.rule.group_slots(group_size)
+        return self._free() >= self.reservations.needed(task_id, self.rule.group_slots(group_size))
 
     async def acquire(self, timeout_s: float = 0.0, task_id: str | None = None, group_size: int | None = None) -> bool:
         """Take one slot, waiting up to ``timeout_s`` for one; False (a rejection) on timeout.
@@ -90,7 +90,9 @@ class CapacityActor:
                 self.rejected += 1
                 self._report()
                 return False
-            if self.rule.batch_size is not None and task_id is not None:
+            if self.rule.batch_size is None and task_id is not None:
+                self.reservations.started_early(task_id)
+            elif task_id is not None:
                 if self.reservations.joins(task_id):
                     self.reservations.join(task_id)
                 else:
@@ -123,7 +125,7 @@ class CapacityActor:
         staleness rule, counting accepted sessions and versions from now."""
         if self.rule.batch_size is None:
             self.accepted_base, self.version_base, self.discarded = self.accepted, self.version, 0
-            self.reservations = GroupReservations()
+            self.reservations = GroupReservations(early=self.reservations.early)
         await self._set_rule(
             batch_size=batch_size,
             max_staleness=max_staleness,

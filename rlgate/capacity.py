@@ -16,7 +16,10 @@ its other sessions join without a new budget check. Admitting sessions one by
 one would deadlock a synchronous run: the last sessions of a group could never
 start, because the budget of this version went to other groups' first members.
 A reservation whose sessions do not all come lapses after ``group_timeout_s``
-(the trainer then trains on the partial group).
+(the trainer then trains on the partial group). Sessions that started before a
+trainer attached took no reservation but belong to their groups all the same
+(the trainer trains on them): a group they began reserves only its remaining
+members.
 """
 
 from __future__ import annotations
@@ -76,6 +79,8 @@ class GroupReservations:
     """Slots held for the sessions still to come of groups already started, by ``task_id``."""
 
     pending: dict[str, tuple[int, float]] = field(default_factory=dict)  # task -> (sessions to come, opened at)
+    early: dict[str, int] = field(default_factory=dict)  # task -> sessions started before a trainer attached
+    early_limit: int = 10_000  # tasks remembered; the oldest are forgotten first
 
     def held(self) -> int:
         return sum(left for left, _ in self.pending.values())
@@ -83,10 +88,23 @@ class GroupReservations:
     def joins(self, task_id: str | None) -> bool:
         return task_id is not None and task_id in self.pending
 
+    def started_early(self, task_id: str) -> None:
+        """A session of ``task_id`` started while no trainer was attached (so reserved nothing)."""
+        self.early[task_id] = self.early.pop(task_id, 0) + 1
+        if len(self.early) > self.early_limit:
+            del self.early[next(iter(self.early))]
+
+    def needed(self, task_id: str | None, slots: int) -> int:
+        """Slots a new group of ``task_id`` of ``slots`` sessions takes: fewer by the
+        members that started before a trainer attached."""
+        return slots - self.early.get(task_id, 0) % slots if task_id is not None else slots
+
     def open(self, task_id: str, slots: int, now: float) -> None:
-        """The first session of a group of ``slots`` started: hold the rest."""
-        if slots > 1:
-            self.pending[task_id] = (slots - 1, now)
+        """A new group of ``slots`` sessions has a session starting: hold the rest."""
+        left = self.needed(task_id, slots) - 1
+        self.early.pop(task_id, None)
+        if left > 0:
+            self.pending[task_id] = (left, now)
 
     def join(self, task_id: str) -> None:
         left, opened = self.pending[task_id]

@@ -327,6 +327,32 @@ async def test_a_trainer_counts_sessions_and_versions_from_when_it_attaches(make
     assert await capacity.acquire.remote() is True
 
 
+async def test_a_group_begun_before_the_trainer_attached_reserves_only_its_other_members(make_capacity):
+    # The two-node cluster run's race: the trainer attached while a group's first session was open.
+    capacity = make_capacity(10)
+    assert await capacity.acquire.remote(0.0, "g0")  # no trainer yet: no reservation
+    await capacity.grant.remote(batch_size=4, max_staleness=0, group_size=2)
+    await capacity.release.remote(accepted=True)
+    assert await capacity.acquire.remote(0.0, "g0")  # completes g0: nothing left to hold
+    assert (await capacity.stats.remote())["reserved"] == 0
+    await capacity.release.remote(accepted=True)
+    # budget 4 - 1 accepted since attaching: the next whole group fits at once
+    assert await capacity.acquire.remote(0.0, "g1")
+    assert await capacity.acquire.remote(0.0, "g1")
+
+
+def test_early_starts_count_towards_their_group_and_are_forgotten_oldest_first():
+    held = GroupReservations(early_limit=2)
+    for task in ("a", "b", "b", "b", "c"):
+        held.started_early(task)
+    assert held.early == {"b": 3, "c": 1}  # "a" forgotten
+    assert [held.needed(t, 2) for t in ("a", "b", "c", None)] == [2, 1, 1, 2]
+    held.open("b", 4, now=0.0)  # three of four started early: this one completes the group
+    assert held.pending == {} and "b" not in held.early
+    held.open("c", 4, now=0.0)
+    assert held.pending == {"c": (2, 0.0)}
+
+
 async def test_a_wait_across_a_session_store_restart_takes_no_slot(make_capacity, ray_session):
     capacity = make_capacity(1)
     assert await capacity.acquire.remote()

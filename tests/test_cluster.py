@@ -199,6 +199,8 @@ placement = "split"
     finally:
         if cluster.job(job_id)["status"] in ("PENDING", "RUNNING"):  # a failed check: stop the run cleanly
             cluster.cli("ray", "job", "stop", f"--address={cluster.dashboard}", job_id)
+            # A driver killed before its own cleanup leaves Serve, and its proxy's port, to the next test.
+            cluster.cli("serve", "shutdown", f"--address={cluster.dashboard}", "--yes")
 
 
 def check_two_node_run(cluster: Cluster, job_id: str, url: str, runs: Path) -> None:
