@@ -1,0 +1,14 @@
+"""The serving path: the OpenAI-compatible session gateway, free of Ray Serve.
+
+* :mod:`~rlgate.serving.routes`: the FastAPI app (``build_app``), routes that only frame;
+* :mod:`~rlgate.serving.service`: ``GatewayService``, what each route does;
+* :mod:`~rlgate.serving.turns`: one chat turn, whole or streamed, recorded in its session;
+* :mod:`~rlgate.serving.clients`: the session store, the engines, the stores and the
+  job manager behind plain async methods (Ray's failures become HTTP answers there);
+* :mod:`~rlgate.serving.auth`: admin, session and job keys;
+* :mod:`~rlgate.serving.errors`: OpenAI's error shape for every refusal;
+* :mod:`~rlgate.serving.middleware`: the body limit, request metrics and access log (pure ASGI).
+
+``actors.gateway.Gateway`` is the Ray Serve deployment: it makes the clients
+and serves ``build_app``.
+"""

@@ -1,0 +1,42 @@
+"""Who is calling: the admin key, a session key or a job key, from ``Authorization: Bearer``.
+
+Keys are compared by SHA-256 in constant time and never kept raw.
+"""
+
+from __future__ import annotations
+
+from rlgate.serving.errors import HTTPError
+from rlgate.sessions import hash_key, same_secret
+
+
+def bearer(authorization: str | None) -> str:
+    if not authorization:
+        raise HTTPError(401, "missing API key: send the header 'Authorization: Bearer <key>'")
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise HTTPError(401, "malformed Authorization header: expected 'Bearer <key>'")
+    return token.strip()
+
+
+class Auth:
+    def __init__(self, admin_key_hash: str) -> None:
+        self.admin_key_hash = admin_key_hash
+
+    def is_admin(self, key: str) -> bool:
+        return same_secret(hash_key(key), self.admin_key_hash)
+
+    def admin(self, authorization: str | None) -> None:
+        if not self.is_admin(bearer(authorization)):
+            raise HTTPError(401, "this route needs the admin key")
+
+    def session_key(self, authorization: str | None) -> str:
+        """The hash of the session key sent; the admin key is refused (it opens no session)."""
+        key = bearer(authorization)
+        if self.is_admin(key):
+            raise HTTPError(400, "the admin key is not a session key; use the api_key from /rl/start_session")
+        return hash_key(key)
+
+    def job_caller(self, authorization: str | None) -> str | None:
+        """None for the admin, else the job key the caller sent."""
+        key = bearer(authorization)
+        return None if self.is_admin(key) else key

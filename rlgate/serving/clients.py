@@ -1,0 +1,198 @@
+"""What the gateway talks to: the session store and the rollout engines, behind plain async methods.
+
+:class:`SessionClient` wraps the run's SessionStore actor, :class:`EngineClient`
+the RolloutServer deployment's handle. Both turn Ray's failures into the HTTP
+answer (a session's own error as it is, a dead actor 503, bad engine input
+400), so :class:`rlgate.serving.service.GatewayService` never sees Ray.
+:class:`LocalSessions` and :class:`LocalEngine` are the same interfaces over a
+:class:`rlgate.sessions.SessionManager` and an engine in this process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError
+
+from rlgate.engines import Engine, SamplingParams, collect
+from rlgate.engines.base import EngineInputError
+from rlgate.serving.errors import HTTPError, ServiceDown, cause
+from rlgate.sessions import Parent, SessionError, SessionManager
+from rlgate.trajectory import Interaction
+
+
+async def settle(ref):
+    """Await an actor call, turning its SessionError into the HTTP answer and a dead actor into 503."""
+    try:
+        return await ref
+    except RayTaskError as err:
+        if isinstance(cause(err), SessionError):
+            raise cause(err) from None
+        raise
+    except RayActorError as err:
+        raise ServiceDown(503, f"session service unavailable: {err.__class__.__name__}; retry") from None
+
+
+class SessionClient:
+    """The run's SessionStore actor (``actors.session_store``)."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+
+    async def start(self, task_id, key_hash, refresh_key_hash, group_size, wait_s, train) -> str:
+        return await settle(self.store.start.remote(task_id, key_hash, refresh_key_hash, group_size, wait_s, train))
+
+    async def begin(self, key_hash: str, candidate_keys: list[str]) -> tuple[str, Parent | None]:
+        return await settle(self.store.begin.remote(key_hash, candidate_keys))
+
+    async def record(self, session_id: str, interactions: list[Interaction]) -> None:
+        await settle(self.store.record.remote(session_id, interactions))
+
+    def abandon(self, session_id: str) -> None:
+        """The request in flight in ``session_id`` ends without a record (not awaited)."""
+        self.store.abandon.remote(session_id)
+
+    async def check(self, key_hash: str) -> None:
+        await settle(self.store.check.remote(key_hash))
+
+    async def set_reward(self, key_hash, reward, interaction_id, turn_rewards) -> str:
+        return await settle(self.store.set_reward.remote(key_hash, reward, interaction_id, turn_rewards))
+
+    async def end(self, key_hash: str, failed: bool) -> int:
+        return await settle(self.store.end.remote(key_hash, failed))
+
+    async def stats(self) -> dict:
+        return await self.store.stats.remote()
+
+
+class LocalSessions:
+    """A :class:`SessionManager` in this process, as a :class:`SessionClient`."""
+
+    def __init__(self, manager: SessionManager) -> None:
+        self.manager = manager
+
+    async def start(self, task_id, key_hash, refresh_key_hash, group_size, wait_s, train) -> str:
+        return await self.manager.start(task_id, key_hash, refresh_key_hash, group_size, wait_s, train)
+
+    async def begin(self, key_hash: str, candidate_keys: list[str]) -> tuple[str, Parent | None]:
+        return self.manager.begin(key_hash, candidate_keys)
+
+    async def record(self, session_id: str, interactions: list[Interaction]) -> None:
+        self.manager.record(session_id, interactions)
+
+    def abandon(self, session_id: str) -> None:
+        self.manager.abandon(session_id)
+
+    async def check(self, key_hash: str) -> None:
+        self.manager.check(key_hash)
+
+    async def set_reward(self, key_hash, reward, interaction_id, turn_rewards) -> str:
+        return self.manager.set_reward(key_hash, reward, interaction_id, turn_rewards)
+
+    async def end(self, key_hash: str, failed: bool) -> int:
+        return await self.manager.end(key_hash, failed)
+
+    async def stats(self) -> dict:
+        return self.manager.stats()
+
+
+def engine_error(err: BaseException) -> HTTPError:
+    """An engine failure as the HTTP answer: bad input 400, anything else 503."""
+    if isinstance(err, BackPressureError):
+        return HTTPError(
+            503, "the rollout engines are saturated (every replica busy, the queue full); retry shortly", retry_after=1
+        )
+    if isinstance(cause(err), EngineInputError):
+        return HTTPError(400, str(cause(err)))
+    if isinstance(err, RayTaskError):
+        return HTTPError(503, f"rollout engine failed: {cause(err).__class__.__name__}: {cause(err)}")
+    return HTTPError(503, f"rollout engine unavailable: {err.__class__.__name__}")
+
+
+_ENGINE_FAILURES = (RayTaskError, RayActorError, RuntimeError, BackPressureError)
+
+
+class EngineClient:
+    """The RolloutServer deployment (``actors.rollout_server``), through its Serve handle."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator:
+        """Engine chunks as they are produced, for streaming responses."""
+        chunks = self.handle.options(stream=True).generate.remote(prompt_ids, params.model_dump())
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except _ENGINE_FAILURES as err:
+            raise engine_error(err) from None
+
+    async def generate_all(self, prompt_ids: list[int], params: SamplingParams) -> list:
+        """Whole completions in one engine reply, for non-streaming responses."""
+        try:
+            return await self.handle.generate_all.remote(prompt_ids, params.model_dump())
+        except _ENGINE_FAILURES as err:
+            raise engine_error(err) from None
+
+    async def health(self) -> dict:
+        return await self.handle.health.remote()
+
+
+class LocalEngine:
+    """An engine in this process, as an :class:`EngineClient`."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator:
+        try:
+            async for chunk in self.engine.generate(prompt_ids, params):
+                yield chunk
+        except EngineInputError as err:
+            raise HTTPError(400, str(err)) from None
+
+    async def generate_all(self, prompt_ids: list[int], params: SamplingParams) -> list:
+        return await collect(self.stream(prompt_ids, params), n=params.n)
+
+    async def health(self) -> dict:
+        await self.engine.check_alive()
+        return asdict(await self.engine.health())
+
+
+class StoreClient:
+    """The run's CapacityActor and TrajectoryStore, for status and trajectory reads."""
+
+    def __init__(self, capacity, trajectories) -> None:
+        self.capacity, self.trajectories = capacity, trajectories
+
+    async def capacity_stats(self) -> dict:
+        return await self.capacity.stats.remote()
+
+    async def trajectory_stats(self) -> dict:
+        return await self.trajectories.stats.remote()
+
+    async def read(self, since: int, limit: int) -> list[dict]:
+        return await self.trajectories.read.remote(since, limit)
+
+
+class JobsClient:
+    """The cluster's JobManager actor, made on the first call; one that died is
+    replaced (it reloads every job from disk)."""
+
+    def __init__(self, make) -> None:
+        self.make, self._manager = make, None
+
+    async def call(self, method: str, *args, retry: bool = True):
+        """``method`` on the JobManager; asked again of a new one when the first
+        died and ``retry`` (only for calls that are safe to repeat)."""
+        if self._manager is None:
+            self._manager = self.make()
+        try:
+            return await settle(getattr(self._manager, method).remote(*args))
+        except ServiceDown:
+            self._manager = None
+            if not retry:
+                raise
+            return await self.call(method, *args, retry=False)

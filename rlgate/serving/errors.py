@@ -1,0 +1,91 @@
+"""Errors on the serving path, all in OpenAI's error shape.
+
+Every refusal is an :class:`HTTPError` (or a :class:`rlgate.sessions.SessionError`
+from the session store) and reaches the client as
+``{"error": {"message", "type", "param", "code"}}`` with its status, so the
+official SDKs raise the right exception carrying our message.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from ray.exceptions import RayTaskError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rlgate.sessions import SessionError
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.retry_after = status, message, param, retry_after
+
+
+class ServiceDown(HTTPError):
+    """An actor behind a route died (Ray may be restarting it)."""
+
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    410: "gone_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {
+        "error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param, "code": status}
+    }
+
+
+def error_response(status: int, message: str, param: str | None = None, retry_after: float | None = None):
+    headers = {"Retry-After": str(int(retry_after + 0.999))} if retry_after is not None else None
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def sse_error(err: HTTPError | SessionError) -> str:
+    """An error after a stream has begun (its status line is sent): one event."""
+    return f"data: {json.dumps(error_body(err.status, err.message))}\n\n"
+
+
+def cause(err: BaseException) -> BaseException:
+    """What an actor call really raised: a task error's cause, else the error itself."""
+    return err.cause if isinstance(err, RayTaskError) else err
+
+
+async def _http_error(_, err: HTTPError):
+    return error_response(err.status, err.message, err.param, err.retry_after)
+
+
+async def _no_route(_, err: StarletteHTTPException):
+    """No such route (404) or method (405), in the same shape as everything else."""
+    message = {404: "no such route", 405: "method not allowed on this route"}.get(err.status_code, str(err.detail))
+    return error_response(err.status_code, message)
+
+
+async def _session_error(_, err: SessionError):
+    return error_response(err.status, err.message, retry_after=err.retry_after)
+
+
+async def _validation_error(_, err: RequestValidationError):
+    first = err.errors()[0]
+    where = ".".join(str(part) for part in first["loc"] if part != "body")
+    if first["type"] == "json_invalid":
+        return error_response(422, f"the body is not valid JSON: {first['msg']}")
+    return error_response(422, f"{where or 'body'}: {first['msg']}", param=where or None)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(HTTPError, _http_error)
+    app.add_exception_handler(StarletteHTTPException, _no_route)
+    app.add_exception_handler(SessionError, _session_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)

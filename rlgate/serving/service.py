@@ -1,0 +1,307 @@
+"""GatewayService: what every gateway route does, without HTTP framing and without Ray.
+
+Built once per gateway replica (``actors.gateway.Gateway``) from the run's
+settings, the model's tokenizer and the clients of :mod:`rlgate.serving.clients`;
+:func:`rlgate.serving.routes.build_app` puts it behind FastAPI routes. Owns the
+tokenizer, the chat renderer and the tool-call parser; nothing durable.
+
+Token-in, token-out: prompts are rendered to ids here, the engine returns ids,
+and the ids are recorded as they were, with their logprobs and versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+
+from openai.types import Completion, CompletionChoice, CompletionUsage, Model
+from openai.types.completion_choice import Logprobs
+
+from rlgate import api
+from rlgate.chat import ChatRenderer, exchange_keys
+from rlgate.config import RLGateConfig
+from rlgate.engines import SamplingParams
+from rlgate.openai_format import TokenText, visible_text
+from rlgate.serving.auth import Auth, bearer
+from rlgate.serving.clients import EngineClient, JobsClient, SessionClient, StoreClient
+from rlgate.serving.errors import HTTPError, error_response
+from rlgate.serving.turns import Turn, chain, choice_id
+from rlgate.sessions import hash_key, new_session_key
+from rlgate.toolcalls import detect_parser, get_parser
+from rlgate.trajectory import Interaction
+
+
+class GatewayService:
+    def __init__(
+        self,
+        settings: RLGateConfig,
+        tokenizer,
+        auth: Auth,
+        sessions: SessionClient,
+        engine: EngineClient,
+        stores: StoreClient,
+        jobs: JobsClient,
+    ) -> None:
+        self.settings, self.tokenizer, self.auth = settings, tokenizer, auth
+        self.sessions, self.engine, self.stores, self.jobs = sessions, engine, stores, jobs
+        gateway = settings.gateway
+        self.renderer = ChatRenderer(tokenizer) if tokenizer.chat_template else None
+        self.text_of = TokenText(tokenizer)
+        parser = gateway.tool_parser
+        if parser == "auto":
+            parser = detect_parser(tokenizer.chat_template)
+        self.tool_parser = get_parser(parser) if parser not in (None, "none") else None
+        self.model_names = [settings.served_model_name, *gateway.model_aliases, "default"]
+
+    # --- health and status ---------------------------------------------------
+
+    async def health(self):
+        try:
+            engine = await asyncio.wait_for(self.engine.health(), timeout=10)
+        except Exception as err:  # any failure to answer means not ready
+            return error_response(503, f"rollout engine not ready: {err.__class__.__name__}")
+        return {"status": "ok", "workers": self.settings.rollout.replicas, "policy_version": engine["version"]}
+
+    async def status(self, authorization: str | None) -> dict:
+        self.auth.admin(authorization)
+        sessions, capacity, trajectories, engine = await asyncio.gather(
+            self.sessions.stats(), self.stores.capacity_stats(), self.stores.trajectory_stats(), self.engine.health()
+        )
+        return {
+            "status": "ok",
+            "workers": self.settings.rollout.replicas,
+            "policy_version": engine["version"],
+            "engine": engine,
+            "sessions": sessions,
+            "capacity": capacity,
+            "trajectories": trajectories,
+        }
+
+    # --- session routes (AReaL-compatible) -----------------------------------
+
+    async def start_session(
+        self, body: api.StartSessionRequest, base_url: str, authorization: str | None
+    ) -> api.StartSessionResponse:
+        self.auth.admin(authorization)
+        if body.api_key is not None:
+            if self.auth.is_admin(body.api_key):
+                raise HTTPError(400, "api_key must be a session key, not the admin key", param="api_key")
+            key, refresh = body.api_key, hash_key(body.api_key)
+        else:
+            key, refresh = new_session_key(), None
+        session_id = await self.sessions.start(
+            body.task_id, hash_key(key), refresh, body.group_size, body.wait_s, body.train
+        )
+        base = self.settings.gateway.public_url or base_url
+        inference_url = f"{base.rstrip('/')}/s/{key}/v1"
+        return api.StartSessionResponse(session_id=session_id, api_key=key, inference_url=inference_url)
+
+    async def set_reward(self, body: api.SetRewardRequest, authorization: str | None) -> api.SetRewardResponse:
+        key_hash = self.auth.session_key(authorization)
+        interaction_id = await self.sessions.set_reward(key_hash, body.reward, body.interaction_id, body.turn_rewards)
+        return api.SetRewardResponse(message="reward set", interaction_id=interaction_id)
+
+    async def end_session(
+        self, body: api.EndSessionRequest | None, authorization: str | None
+    ) -> api.EndSessionResponse:
+        key_hash = self.auth.session_key(authorization)
+        failed = body is not None and body.failed
+        count = await self.sessions.end(key_hash, failed)
+        message = (
+            "session ended as failed; nothing of it is trained on" if failed else "session ended; trajectory saved"
+        )
+        return api.EndSessionResponse(message=message, interaction_count=count)
+
+    async def trajectories(self, since: int, limit: int, authorization: str | None) -> str:
+        """Records with seq > ``since`` as NDJSON."""
+        self.auth.admin(authorization)
+        records = await self.stores.read(since, limit)
+        return "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+
+    # --- RL jobs (synth-ai compatible) ---------------------------------------
+    # The admin key reaches every job; a job's own key (returned at creation)
+    # reaches that job only, and cannot list or create jobs.
+
+    async def job(self, method: str, *args, retry: bool = True):
+        if self.settings.gateway.route_prefix != "/":
+            raise HTTPError(404, "RL jobs are served by the cluster's main gateway, not by a run's own")
+        return await self.jobs.call(method, *args, retry=retry)
+
+    # --- OpenAI routes -------------------------------------------------------
+
+    async def models(self, authorization: str | None) -> dict:
+        key = bearer(authorization)
+        if not self.auth.is_admin(key):  # a live session's key or the admin's, like every other OpenAI route
+            await self.sessions.check(hash_key(key))
+        created = int(time.time())
+        return {
+            "object": "list",
+            "data": [
+                Model(id=name, created=created, object="model", owned_by="rlgate") for name in self.model_names[:-1]
+            ],
+        }
+
+    def _check_model(self, name: str) -> None:
+        if self.settings.gateway.strict_model and name not in self.model_names:
+            raise HTTPError(404, f"model {name!r} is not served here; use one of {self.model_names}", param="model")
+
+    def _check_request(self, request: api._Sampling) -> None:
+        problems = api.unsupported_fields(request)
+        if problems:
+            raise HTTPError(400, "; ".join(message for _, message in problems), param=problems[0][0])
+        self._check_model(request.model)
+        gateway = self.settings.gateway
+        if request.n > gateway.max_n:
+            raise HTTPError(400, f"n={request.n} exceeds this gateway's limit of {gateway.max_n}", param="n")
+
+    def _sampling(self, request: api._Sampling, max_tokens: int | None, top_logprobs: int) -> SamplingParams:
+        limit = self.settings.gateway.max_completion_tokens
+        if max_tokens is not None and max_tokens > limit:
+            raise HTTPError(400, f"max_tokens={max_tokens} exceeds this gateway's limit of {limit}", param="max_tokens")
+        return SamplingParams(
+            max_tokens=max_tokens or limit,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            stop=tuple(request.stop or ()),
+            seed=request.seed,
+            n=request.n,
+            top_logprobs=top_logprobs,
+            ignore_eos=request.ignore_eos,
+        )
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
+        context = self.settings.rollout.max_model_len
+        if len(prompt_ids) >= context:
+            raise HTTPError(
+                400, f"the prompt has {len(prompt_ids)} tokens; the model's context holds {context}", param="messages"
+            )
+
+    async def _started(self, prompt_ids: list[int], params: SamplingParams):
+        """The engine's chunks, once it has produced the first: a refusal before
+        that (saturated, down) is still a status code."""
+        chunks = self.engine.stream(prompt_ids, params)
+        try:
+            return chain([await anext(chunks)], chunks)
+        except StopAsyncIteration:
+            return chain([], chunks)
+
+    async def chat(self, request: api.ChatCompletionRequest, authorization: str | None):
+        """A ChatCompletion, or for ``stream`` the server-sent events that make one."""
+        key_hash = self.auth.session_key(authorization)
+        if self.renderer is None:
+            raise HTTPError(400, "this model has no chat template; use /v1/completions")
+        if len(request.messages) > self.settings.gateway.max_messages:
+            raise HTTPError(
+                400,
+                f"{len(request.messages)} messages exceed the limit of {self.settings.gateway.max_messages}",
+                param="messages",
+            )
+        messages = [m.for_template() for m in request.messages]
+        tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+        top = (request.top_logprobs or 0) if request.logprobs else 0
+        params = self._sampling(request, request.max_completion_tokens or request.max_tokens, top)
+        keys = exchange_keys(messages, tools)
+        candidates = [keys[i] for i, m in enumerate(messages) if m["role"] == "assistant"]
+        session_id, parent = await self.sessions.begin(key_hash, candidates)
+        turn, streaming = None, False
+        try:  # from here the request is in flight in its session until recorded or abandoned
+            self._check_request(request)  # after the key is known good: its errors name the served models
+            prompt_ids = None
+            if parent is not None:
+                prompt_ids = self.renderer.continuation_ids(
+                    messages, tools, keys.index(parent.key), parent.sequence, parent.last_token
+                )
+            parent_id = parent.interaction_id if parent is not None and prompt_ids is not None else None
+            if prompt_ids is None:
+                try:
+                    prompt_ids = self.renderer.prompt_ids(messages, tools)
+                except Exception as err:  # the model's own template refused these messages
+                    raise HTTPError(
+                        400, f"the chat template cannot render these messages: {err}", param="messages"
+                    ) from None
+            self._check_prompt(prompt_ids)
+            use_tools = self.tool_parser is not None and tools is not None and request.tool_choice != "none"
+            turn = Turn(self, request, params, session_id, prompt_ids, parent_id, keys[-1], use_tools)
+            if request.stream:
+                chunks = await self._started(prompt_ids, params)
+                streaming = True  # the stream owns the turn now
+                return turn.stream(params, chunks)
+            return await turn.complete(params)
+        finally:
+            if not streaming and (turn is None or not turn.recorded):
+                self.sessions.abandon(session_id)
+
+    async def completions(self, request: api.CompletionRequest, authorization: str | None) -> Completion:
+        key_hash = self.auth.session_key(authorization)
+        if isinstance(request.prompt, str):
+            prompt_ids = self.tokenizer.encode(request.prompt)
+        else:
+            prompt_ids = list(request.prompt)
+            if any(not 0 <= t < len(self.tokenizer) for t in prompt_ids):
+                raise HTTPError(400, f"prompt token ids must be in [0, {len(self.tokenizer)})", param="prompt")
+        if not prompt_ids:
+            raise HTTPError(400, "the prompt is empty", param="prompt")
+        self._check_prompt(prompt_ids)
+        if request.stream:
+            raise HTTPError(400, "'stream' is supported on /v1/chat/completions only", param="stream")
+        session_id, _ = await self.sessions.begin(key_hash, [])
+        try:
+            self._check_request(request)  # after the key is known good: its errors name the served models
+            params = self._sampling(request, request.max_tokens, request.logprobs or 0)
+            completions = await self.engine.generate_all(prompt_ids, params)
+        except BaseException:
+            self.sessions.abandon(session_id)
+            raise
+        completion_id = "cmpl-" + secrets.token_hex(12)
+        interactions = [
+            Interaction(
+                id=choice_id(completion_id, c.index),
+                prompt_ids=prompt_ids,
+                completion_ids=c.token_ids,
+                logprobs=c.logprobs,
+                versions=c.versions,
+                finish_reason=c.finish_reason,
+                temperature=params.temperature,
+            )
+            for c in completions
+        ]
+        await self.sessions.record(session_id, interactions)
+        choices = []
+        for c in completions:
+            logprobs = None
+            if request.logprobs is not None:
+                tokens = [self.text_of(t) for t in c.token_ids]
+                offsets, at = [], 0
+                for token in tokens:
+                    offsets.append(at)
+                    at += len(token)
+                logprobs = Logprobs(
+                    tokens=tokens,
+                    token_logprobs=c.logprobs,
+                    text_offset=offsets,
+                    top_logprobs=[{self.text_of(t): lp for t, lp in d.items()} for d in c.top_logprobs]
+                    if c.top_logprobs
+                    else None,
+                )
+            choices.append(
+                CompletionChoice(
+                    index=c.index,
+                    text=visible_text(self.tokenizer, c.token_ids, c.stop_reason),
+                    finish_reason=c.finish_reason,
+                    logprobs=logprobs,
+                )
+            )
+        generated = sum(len(c.token_ids) for c in completions)
+        return Completion(
+            id=completion_id,
+            object="text_completion",
+            created=int(time.time()),
+            model=self.settings.served_model_name,
+            choices=choices,
+            usage=CompletionUsage(
+                prompt_tokens=len(prompt_ids), completion_tokens=generated, total_tokens=len(prompt_ids) + generated
+            ),
+        )

@@ -1,0 +1,220 @@
+"""One chat completion turn: generate, shape the OpenAI answer (whole or streamed), record it.
+
+A :class:`Turn` is made by :meth:`rlgate.serving.service.GatewayService.chat`
+once the session has begun the request; it ends in the session either
+recorded (its interactions, with token ids, logprobs and versions as the
+engine produced them) or abandoned (the client went away, the engine failed).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from openai.types import CompletionUsage
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
+from openai.types.chat.chat_completion import Choice, ChoiceLogprobs
+from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceDelta, ChoiceDeltaToolCall, ChoiceDeltaToolCallFunction
+from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkLogprobs
+from openai.types.chat.chat_completion_message_tool_call import ChatCompletionMessageToolCall, Function
+
+from rlgate.chat import extend_key
+from rlgate.engines import SamplingParams
+from rlgate.engines.base import Completion
+from rlgate.openai_format import TextStream, chat_logprobs, visible_text
+from rlgate.serving.errors import HTTPError, sse_error
+from rlgate.sessions import SessionError
+from rlgate.trajectory import Interaction
+
+if TYPE_CHECKING:
+    from rlgate.serving.service import GatewayService
+
+
+async def chain(first: list, rest: AsyncIterator) -> AsyncIterator:
+    for item in first:
+        yield item
+    async for item in rest:
+        yield item
+
+
+def choice_id(completion_id: str, index: int) -> str:
+    """The interaction id of a choice: the completion id for the first (so
+    ``set_reward(interaction_id=completion.id)`` works), suffixed for others."""
+    return completion_id if index == 0 else f"{completion_id}-{index}"
+
+
+class Turn:
+    """One chat completion request: generate, shape the answer, record the interactions."""
+
+    def __init__(
+        self, service: GatewayService, request, params, session_id, prompt_ids, parent_id, messages_key, use_tools
+    ):
+        self.g, self.request, self.params = service, request, params
+        self.session_id, self.prompt_ids, self.parent_id = session_id, prompt_ids, parent_id
+        self.messages_key, self.use_tools = messages_key, use_tools
+        self.id = "chatcmpl-" + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.recorded = False
+
+    def _answer(self, text: str):
+        """(content, tool calls) as returned to the client."""
+        if not self.use_tools:
+            return text, []
+        parsed = self.g.tool_parser.parse(text)
+        return parsed.content, parsed.tool_calls
+
+    def _interaction(self, completion, content, calls) -> Interaction:
+        message = {
+            "role": "assistant",
+            "content": content,
+            "tool_calls": [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls],
+        }
+        return Interaction(
+            id=choice_id(self.id, completion.index),
+            prompt_ids=self.prompt_ids,
+            completion_ids=completion.token_ids,
+            logprobs=completion.logprobs,
+            versions=completion.versions,
+            finish_reason=completion.finish_reason,
+            parent=self.parent_id,
+            key=extend_key(self.messages_key, message),
+            temperature=self.params.temperature,  # as sampled (after the engines' floors)
+        )
+
+    def _finish_reason(self, completion, calls) -> str:
+        if calls:
+            return "tool_calls"
+        return "length" if completion.finish_reason == "length" else "stop"
+
+    async def complete(self, params: SamplingParams) -> ChatCompletion:
+        completions = await self.g.engine.generate_all(self.prompt_ids, params)
+        choices, interactions = [], []
+        for c in completions:
+            content, calls = self._answer(visible_text(self.g.tokenizer, c.token_ids, c.stop_reason))
+            interactions.append(self._interaction(c, content, calls))
+            logprobs = None
+            if self.request.logprobs:
+                logprobs = ChoiceLogprobs(
+                    content=chat_logprobs(self.g.text_of, c.token_ids, c.logprobs, c.top_logprobs)
+                )
+            message = ChatCompletionMessage(
+                role="assistant",
+                content=content,
+                tool_calls=[
+                    ChatCompletionMessageToolCall(
+                        id=t.id, type="function", function=Function(name=t.name, arguments=t.arguments)
+                    )
+                    for t in calls
+                ]
+                or None,
+            )
+            choices.append(
+                Choice(index=c.index, message=message, finish_reason=self._finish_reason(c, calls), logprobs=logprobs)
+            )
+        await self.g.sessions.record(self.session_id, interactions)
+        self.recorded = True
+        generated = sum(len(c.token_ids) for c in completions)
+        return ChatCompletion(
+            id=self.id,
+            object="chat.completion",
+            created=self.created,
+            model=self.g.settings.served_model_name,
+            choices=choices,
+            usage=CompletionUsage(
+                prompt_tokens=len(self.prompt_ids),
+                completion_tokens=generated,
+                total_tokens=len(self.prompt_ids) + generated,
+            ),
+        )
+
+    def _chunk(self, choices, usage=None) -> str:
+        chunk = ChatCompletionChunk(
+            id=self.id,
+            object="chat.completion.chunk",
+            created=self.created,
+            model=self.g.settings.served_model_name,
+            choices=choices,
+            usage=usage,
+        )
+        return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+
+    async def stream(self, params: SamplingParams, chunks: AsyncIterator) -> AsyncIterator[str]:
+        """Server-sent events from the engine's ``chunks``: text as tokens arrive, tool
+        calls once complete, the interactions recorded before the usage chunk and ``[DONE]``."""
+        n = params.n
+        texts = [TextStream(self.g.tokenizer, list(params.stop)) for _ in range(n)]
+        calls_stream = [self.g.tool_parser.stream() if self.use_tools else None for _ in range(n)]
+        done = [Completion(index=i) for i in range(n)]
+        sent = [""] * n  # content already streamed, per choice
+        try:
+            for i in range(n):
+                yield self._chunk([ChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=""))])
+            async for chunk in chunks:
+                i = chunk.index
+                done[i].add(chunk)
+                text = texts[i].push(chunk.token_ids)
+                if chunk.finish_reason is not None:
+                    text += texts[i].finish(chunk.stop_reason)
+                pieces = calls_stream[i].feed(text) if calls_stream[i] else [text]
+                logprobs = None
+                if self.request.logprobs:
+                    logprobs = ChunkLogprobs(
+                        content=chat_logprobs(self.g.text_of, chunk.token_ids, chunk.logprobs, chunk.top_logprobs)
+                    )
+                content = "".join(pieces)
+                sent[i] += content
+                if content or logprobs:
+                    yield self._chunk([ChunkChoice(index=i, delta=ChoiceDelta(content=content), logprobs=logprobs)])
+            interactions = []
+            for i, completion in enumerate(done):
+                if calls_stream[i]:
+                    parsed = calls_stream[i].finish()
+                    content, calls = parsed.content, parsed.tool_calls
+                    rest = (content or "")[len(sent[i]) :]  # text the parser held back until the end
+                    if rest:
+                        yield self._chunk([ChunkChoice(index=i, delta=ChoiceDelta(content=rest))])
+                else:
+                    content, calls = visible_text(self.g.tokenizer, completion.token_ids, completion.stop_reason), []
+                interactions.append(self._interaction(completion, content, calls))
+                if calls:
+                    yield self._chunk(
+                        [
+                            ChunkChoice(
+                                index=i,
+                                delta=ChoiceDelta(
+                                    tool_calls=[
+                                        ChoiceDeltaToolCall(
+                                            index=k,
+                                            id=t.id,
+                                            type="function",
+                                            function=ChoiceDeltaToolCallFunction(name=t.name, arguments=t.arguments),
+                                        )
+                                        for k, t in enumerate(calls)
+                                    ]
+                                ),
+                            )
+                        ]
+                    )
+                yield self._chunk(
+                    [ChunkChoice(index=i, delta=ChoiceDelta(), finish_reason=self._finish_reason(completion, calls))]
+                )
+            await self.g.sessions.record(self.session_id, interactions)
+            self.recorded = True
+            generated = sum(len(c.token_ids) for c in done)
+            yield self._chunk(
+                [],
+                usage=CompletionUsage(
+                    prompt_tokens=len(self.prompt_ids),
+                    completion_tokens=generated,
+                    total_tokens=len(self.prompt_ids) + generated,
+                ),
+            )
+            yield "data: [DONE]\n\n"
+        except (HTTPError, SessionError) as err:
+            yield sse_error(err)
+        finally:  # also when the client goes away mid-stream
+            if not self.recorded:
+                self.g.sessions.abandon(self.session_id)

@@ -1,0 +1,117 @@
+"""The serving path without Ray Serve: ``rlgate.serving.build_app`` over a
+GatewayService with an in-process SessionManager and the real HF engine on
+tiny-random, called with the official openai client through httpx's ASGI transport."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from rlgate.config import parse_config
+from rlgate.serving.auth import Auth
+from rlgate.serving.clients import JobsClient, LocalEngine, LocalSessions
+from rlgate.serving.routes import build_app
+from rlgate.serving.service import GatewayService
+from rlgate.sessions import SessionManager, hash_key
+
+ADMIN = "serving-admin-key"
+
+
+class Slots:
+    """Admission without a trainer: up to ``limit`` open sessions."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.running = limit, 0
+
+    async def acquire(self, timeout_s: float = 0.0, task_id=None, group_size=None) -> bool:
+        if self.running >= self.limit:
+            return False
+        self.running += 1
+        return True
+
+    async def release(self, accepted: bool) -> None:
+        self.running -= 1
+
+
+class NoStores:
+    """Status and trajectory reads are the actors' business; unused here."""
+
+
+@pytest.fixture
+async def served(hf_engine, tiny_tokenizer, tmp_path):
+    saved: list[dict] = []
+
+    async def persist(records: list[dict]) -> None:
+        saved.extend(records)
+
+    settings = parse_config({"model": {"name": "tiny-random"}, "gateway": {"run_dir": str(tmp_path)}})
+    manager = SessionManager(Slots(4), persist, export_style="concat")
+    service = GatewayService(
+        settings,
+        tiny_tokenizer,
+        Auth(hash_key(ADMIN)),
+        LocalSessions(manager),
+        LocalEngine(hf_engine),
+        NoStores(),
+        JobsClient(lambda: None),
+    )
+    transport = httpx.ASGITransport(app=build_app(service))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+        yield http, manager, saved
+
+
+async def start(http: httpx.AsyncClient, task: str = "t") -> str:
+    started = await http.post("/rl/start_session", json={"task_id": task}, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert started.status_code == 200, started.text
+    assert started.json()["inference_url"] == f"http://gateway/s/{started.json()['api_key']}/v1"
+    return started.json()["api_key"]
+
+
+def client(http: httpx.AsyncClient, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url="http://gateway/v1", api_key=key, http_client=http)
+
+
+async def test_a_session_of_two_turns_is_served_recorded_and_exported(served, tiny_tokenizer):
+    http, manager, saved = served
+    key = await start(http)
+    messages = [{"role": "user", "content": "Hello"}]
+    first = await client(http, key).chat.completions.create(
+        model="tiny-random", messages=messages, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert first.usage.completion_tokens == 5 and first.choices[0].finish_reason == "length"
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "Go"}]
+    stream = await client(http, key).chat.completions.create(
+        model="default", messages=messages, max_tokens=4, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    reward = await http.post("/rl/set_reward", json={"reward": 1.0}, headers={"Authorization": f"Bearer {key}"})
+    assert reward.status_code == 200, reward.text
+    ended = await http.post("/rl/end_session", headers={"Authorization": f"Bearer {key}"})
+    assert ended.json()["interaction_count"] == 2
+    [record] = saved  # one sequence: the second turn continued the first
+    assert record["reward"] == 1.0 and sum(record["loss_mask"]) == 5 + 4
+    assert tiny_tokenizer.decode(record["input_ids"][-4:]) == text
+    assert manager.stats()["open_sessions"] == 0
+
+
+async def test_refusals_are_openai_errors_and_leave_the_session_usable(served):
+    http, manager, _ = served
+    key = await start(http)
+    chat = client(http, key).chat.completions
+    with pytest.raises(openai.BadRequestError, match="exceeds this gateway's limit"):
+        await chat.create(model="tiny-random", messages=[{"role": "user", "content": "x"}], max_tokens=10**6)
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
+        await chat.create(model="gpt-9", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="not a session key"):
+        await client(http, ADMIN).chat.completions.create(
+            model="tiny-random", messages=[{"role": "user", "content": "x"}], max_tokens=2
+        )
+    keyless = await http.post(
+        "/v1/chat/completions", json={"model": "tiny-random", "messages": [{"role": "user", "content": "x"}]}
+    )
+    assert keyless.status_code == 401 and "missing API key" in keyless.json()["error"]["message"]
+    reply = await chat.create(model="tiny-random", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert reply.choices[0].message.content is not None
+    stats = manager.stats()
+    assert (stats["open_sessions"], stats["open_interactions"]) == (1, 1)  # refusals recorded nothing
