@@ -115,3 +115,14 @@ async def test_refusals_are_openai_errors_and_leave_the_session_usable(served):
     assert reply.choices[0].message.content is not None
     stats = manager.stats()
     assert (stats["open_sessions"], stats["open_interactions"]) == (1, 1)  # refusals recorded nothing
+
+
+def test_the_serving_path_imports_without_ray():
+    """Only rlgate.serving.clients talks to Ray; the rest is plain code."""
+    import subprocess
+    import sys
+
+    modules = ", ".join(f"rlgate.serving.{name}" for name in ("routes", "service", "turns", "auth", "errors"))
+    check = f"import sys, {modules}; print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))"
+    found = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
+    assert found.stdout.strip() == "[]", found.stdout

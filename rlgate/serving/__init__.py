@@ -9,6 +9,6 @@
 * :mod:`~rlgate.serving.errors`: OpenAI's error shape for every refusal;
 * :mod:`~rlgate.serving.middleware`: the body limit, request metrics and access log (pure ASGI).
 
-``actors.gateway.Gateway`` is the Ray Serve deployment: it makes the clients
-and serves ``build_app``.
+Only ``clients`` imports Ray. ``actors.gateway.Gateway`` is the Ray Serve
+deployment: it makes the clients and serves ``build_app``.
 """

@@ -18,9 +18,14 @@ from ray.serve.exceptions import BackPressureError
 
 from rlgate.engines import Engine, SamplingParams, collect
 from rlgate.engines.base import EngineInputError
-from rlgate.serving.errors import HTTPError, ServiceDown, cause
+from rlgate.serving.errors import HTTPError, ServiceDown
 from rlgate.sessions import Parent, SessionError, SessionManager
 from rlgate.trajectory import Interaction
+
+
+def cause(err: BaseException) -> BaseException:
+    """What an actor call really raised: a task error's cause, else the error itself."""
+    return err.cause if isinstance(err, RayTaskError) else err
 
 
 async def settle(ref):

@@ -13,7 +13,6 @@ import json
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from ray.exceptions import RayTaskError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rlgate.sessions import SessionError
@@ -55,11 +54,6 @@ def error_response(status: int, message: str, param: str | None = None, retry_af
 def sse_error(err: HTTPError | SessionError) -> str:
     """An error after a stream has begun (its status line is sent): one event."""
     return f"data: {json.dumps(error_body(err.status, err.message))}\n\n"
-
-
-def cause(err: BaseException) -> BaseException:
-    """What an actor call really raised: a task error's cause, else the error itself."""
-    return err.cause if isinstance(err, RayTaskError) else err
 
 
 async def _http_error(_, err: HTTPError):

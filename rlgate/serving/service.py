@@ -15,6 +15,7 @@ import asyncio
 import json
 import secrets
 import time
+from typing import TYPE_CHECKING
 
 from openai.types import Completion, CompletionChoice, CompletionUsage, Model
 from openai.types.completion_choice import Logprobs
@@ -25,12 +26,14 @@ from rlgate.config import RLGateConfig
 from rlgate.engines import SamplingParams
 from rlgate.openai_format import TokenText, visible_text
 from rlgate.serving.auth import Auth, bearer
-from rlgate.serving.clients import EngineClient, JobsClient, SessionClient, StoreClient
 from rlgate.serving.errors import HTTPError, error_response
 from rlgate.serving.turns import Turn, chain, choice_id
 from rlgate.sessions import hash_key, new_session_key
 from rlgate.toolcalls import detect_parser, get_parser
 from rlgate.trajectory import Interaction
+
+if TYPE_CHECKING:  # the Ray-backed clients; tests may hand in any object with their methods
+    from rlgate.serving.clients import EngineClient, JobsClient, SessionClient, StoreClient
 
 
 class GatewayService:
