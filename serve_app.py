@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -79,12 +80,23 @@ def build_rollout_app(config: RLGateConfig, initial_version: int = 0) -> Applica
 
 
 def build_app(config: RLGateConfig, admin_key_hash: str, initial_version: int = 0) -> Application:
-    """The Gateway (HTTP ingress) in front of the RolloutServer deployment."""
-    engines = build_rollout_app(config, initial_version)
+    """The Gateway (HTTP ingress): in front of the RolloutServer deployment, or
+    with ``[gateway] colocate`` each replica running its own engine."""
     # Serve's access log shows raw paths, and a scoped URL's path is a session key: the Gateway logs its own.
     no_access_log = {"enable_access_log": False}
+    deployment = secrets.token_hex(8)  # a replica replacing a crashed one of this deployment resumes its sessions
+    if config.gateway.colocate:
+        bundle = replica_bundle(config)
+        gateway = Gateway.options(
+            num_replicas=config.rollout.replicas,
+            max_queued_requests=config.rollout.max_queued_requests,
+            ray_actor_options={"num_cpus": bundle.cpus, "num_gpus": bundle.gpus, "resources": bundle.custom()},
+            logging_config=no_access_log,
+        )
+        return gateway.bind(None, _settings(config), resolve_model(config), admin_key_hash, initial_version, deployment)
+    engines = build_rollout_app(config, initial_version)
     return Gateway.options(ray_actor_options={"num_cpus": 0}, logging_config=no_access_log).bind(
-        engines, _settings(config), resolve_model(config), admin_key_hash
+        engines, _settings(config), resolve_model(config), admin_key_hash, initial_version, deployment
     )
 
 

@@ -1,13 +1,21 @@
 """Gateway: the Ray Serve deployment of the HTTP API, a shell over ``rlgate.serving``.
 
-Created by ``serve_app.build_app`` in front of the RolloutServer deployment.
-Called by agents (OpenAI routes with a session key), operators (session
-routes and status with the admin key) and task apps. On start it gets or
-creates the run's named actors (CapacityActor, TrajectoryStore, SessionStore),
-wraps them and the RolloutServer handle in the clients of
-:mod:`rlgate.serving.clients`, and serves :func:`rlgate.serving.routes.build_app`
-over a :class:`rlgate.serving.service.GatewayService`. Stateless and scalable:
-it owns nothing durable.
+Created by ``serve_app.build_app``. Called by agents (OpenAI routes with a
+session key), operators (session routes and status with the admin key) and
+task apps. On start it gets or creates the run's named actors (CapacityActor,
+TrajectoryStore; the JobManager on first use) and serves
+:func:`rlgate.serving.routes.build_app` over a
+:class:`rlgate.serving.service.GatewayService`, in one of two shapes:
+
+* ``[gateway] colocate = false``: stateless. Sessions live in the run's
+  SessionStore actor and completions come from the RolloutServer deployment
+  (a Serve handle): two inter-process calls per turn, any number of replicas.
+* ``colocate = true``: the replica owns an engine (it follows the run's
+  PolicyStore like a RolloutServer replica) and its sessions
+  (:class:`rlgate.serving.owned.OwnedSessions`, journaled in the run folder);
+  a chat turn stays in this process. Admission and trajectory export still go
+  to the CapacityActor and TrajectoryStore, once per session.
+Owns, when colocated: the engine, the open sessions and their journal.
 """
 
 from __future__ import annotations
@@ -18,11 +26,13 @@ from ray import serve
 
 from actors.capacity import get_or_create_capacity
 from actors.job_manager import get_or_create_job_manager
-from actors.session_store import SessionStore
+from actors.policy_store import PolicyFollower, get_or_create_policy_store
+from actors.session_store import SessionStore, owned_sessions
 from actors.trajectory_store import TrajectoryStore
 from rlgate.config import RLGateConfig
+from rlgate.engines import RequestLog, make_engine
 from rlgate.serving.auth import Auth
-from rlgate.serving.clients import EngineClient, JobsClient, SessionClient, StoreClient
+from rlgate.serving.clients import EngineClient, JobsClient, LocalEngine, SessionClient, StoreClient
 from rlgate.serving.routes import build_app
 from rlgate.serving.service import GatewayService
 from rlgate.telemetry import Metrics
@@ -30,10 +40,23 @@ from rlgate.telemetry import Metrics
 NAMESPACE = "rlgate"
 
 
-@serve.deployment(name="Gateway", max_ongoing_requests=2048, health_check_period_s=10)
+@serve.deployment(name="Gateway", max_ongoing_requests=2048, health_check_period_s=10, health_check_timeout_s=60)
 @serve.ingress()  # the app is built in the replica, by __serve_build_asgi_app__
 class Gateway:
-    def __init__(self, rollout, config: dict, model_path: str, admin_key_hash: str) -> None:
+    async def __init__(
+        self,
+        rollout,
+        config: dict,
+        model_path: str,
+        admin_key_hash: str,
+        initial_version: int = 0,
+        deployment: str = "",
+    ) -> None:
+        """``rollout`` is the RolloutServer handle (None when colocated);
+        ``deployment`` names this deployment of the application: a replica that
+        finds its own name beside the session journal took over from a crashed
+        one (its sessions go on), any other found the journal of an earlier
+        application (its sessions are ended and exported, reason ``restart``)."""
         from transformers import AutoTokenizer
 
         settings = RLGateConfig.model_validate(config)
@@ -43,21 +66,38 @@ class Gateway:
         trajectories = TrajectoryStore.options(
             name=f"{run}-trajectories", namespace=NAMESPACE, lifetime="detached", get_if_exists=True
         ).remote(gateway.run_dir)
-        sessions = SessionStore.options(
-            name=f"{run}-sessions", namespace=NAMESPACE, lifetime="detached", get_if_exists=True
-        ).remote(capacity, trajectories, gateway.model_dump())
+        self.engine, self.follower = None, None
+        if gateway.colocate:
+            self.engine = make_engine(model_path, settings.rollout, settings.model.dtype, initial_version)
+            await self.engine.ready()
+            policy = get_or_create_policy_store(f"{run}-policy", NAMESPACE, initial_version)
+            self.follower = PolicyFollower(self.engine, policy, serve.get_replica_context().replica_id.unique_id)
+            await self.follower.start()  # serve the current policy before taking traffic
+            self.request_log = RequestLog(settings.rollout.request_log_size)
+            engine = LocalEngine(self.engine, self.request_log)
+            sessions = owned_sessions(
+                capacity, trajectories, gateway.model_dump(), *_journal(Path(gateway.run_dir), deployment)
+            )
+        else:
+            engine = EngineClient(rollout)
+            sessions = SessionClient(
+                SessionStore.options(
+                    name=f"{run}-sessions", namespace=NAMESPACE, lifetime="detached", get_if_exists=True
+                ).remote(capacity, trajectories, gateway.model_dump())
+            )
 
         def job_manager():
             where = {"host": gateway.host, "port": gateway.port}
             jobs_dir = str(Path(gateway.run_dir).parent / "jobs")
             return get_or_create_job_manager(gateway.run_name, jobs_dir, where, gateway.max_running_jobs)
 
+        self.sessions = sessions
         self.service = GatewayService(
             settings,
             AutoTokenizer.from_pretrained(model_path),
             Auth(admin_key_hash),
-            SessionClient(sessions),
-            EngineClient(rollout),
+            sessions,
+            engine,
             StoreClient(capacity, trajectories),
             JobsClient(job_manager),
         )
@@ -65,3 +105,28 @@ class Gateway:
 
     def __serve_build_asgi_app__(self):
         return build_app(self.service, self.metrics)
+
+    async def recent_requests(self, count: int = 16) -> list[dict]:
+        """Colocated: the last requests as this replica's engine saw them (see RolloutServer)."""
+        return self.request_log.recent(count)
+
+    async def check_health(self) -> None:
+        if self.engine is not None:
+            await self.engine.check_alive()
+
+    async def __del__(self) -> None:
+        if self.engine is not None:
+            self.sessions.close()
+            await self.follower.stop()
+            await self.engine.shutdown()
+
+
+def _journal(run_dir: Path, deployment: str) -> tuple[Path, bool]:
+    """The session journal of a colocated replica, and whether its sessions go on
+    (this deployment wrote the journal: a replica of it crashed and was replaced)."""
+    folder = run_dir / "sessions"
+    folder.mkdir(parents=True, exist_ok=True)
+    owner = folder / "owner"
+    resume = bool(deployment) and owner.exists() and owner.read_text() == deployment
+    owner.write_text(deployment)
+    return folder / "journal.jsonl", resume

@@ -14,8 +14,11 @@ Owns: the latest version, a reference to its weights in Ray's object store
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import ray
+
+logger = logging.getLogger(__name__)
 
 
 @ray.remote(num_cpus=0)
@@ -76,3 +79,43 @@ def get_or_create_policy_store(name: str, namespace: str, initial_version: int =
     return PolicyStore.options(name=name, namespace=namespace, lifetime="detached", get_if_exists=True).remote(
         initial_version
     )
+
+
+class PolicyFollower:
+    """Keeps one engine on the run's latest published policy.
+
+    ``await follower.start()`` catches up before the replica takes traffic
+    (also after a restart), then a background task long-polls the PolicyStore
+    and applies each newer version in place; a failed update is logged and
+    retried while the old weights keep serving.
+    """
+
+    def __init__(self, engine, store, replica: str) -> None:
+        self.engine, self.store, self.replica = engine, store, replica
+        self._task: asyncio.Task | None = None
+
+    async def _catch_up(self, timeout_s: float) -> None:
+        latest = await self.store.newer_than.remote(self.engine.version, timeout_s)
+        if latest is not None:
+            version, [weights] = latest
+            await self.engine.update_weights(await weights, version)
+        await self.store.ack.remote(self.replica, self.engine.version)
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                await self._catch_up(timeout_s=30.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("applying a published policy version failed; retrying")
+                await asyncio.sleep(5.0)
+
+    async def start(self) -> None:
+        await self._catch_up(timeout_s=0)
+        self._task = asyncio.create_task(self._follow())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        await self.store.forget.remote(self.replica)

@@ -14,19 +14,15 @@ long-polls for newer versions and applies them in place.
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict
 
 from ray import serve
 
-from actors.policy_store import get_or_create_policy_store
+from actors.policy_store import PolicyFollower, get_or_create_policy_store
 from rlgate.config import RLGateConfig
-from rlgate.engines import Completion, Engine, SamplingParams, TokenChunk, collect, make_engine
+from rlgate.engines import Completion, Engine, RequestLog, SamplingParams, TokenChunk, collect, make_engine
 
-logger = logging.getLogger(__name__)
 POLICY_NAMESPACE = "rlgate"
 
 
@@ -41,42 +37,20 @@ class RolloutServer:
     async def __init__(self, config: dict, model_path: str, initial_version: int = 0) -> None:
         settings = RLGateConfig.model_validate(config)
         self.engine: Engine = make_engine(model_path, settings.rollout, settings.model.dtype, initial_version)
-        self.request_log: deque = deque(maxlen=settings.rollout.request_log_size)
+        self.request_log = RequestLog(settings.rollout.request_log_size)
         await self.engine.ready()
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.policy = get_or_create_policy_store(
             f"rlgate-{settings.gateway.run_name}-policy", POLICY_NAMESPACE, initial_version
         )
-        await self._catch_up(timeout_s=0)  # serve the current policy before taking traffic
-        self._follower = asyncio.create_task(self._follow())
-
-    async def _catch_up(self, timeout_s: float) -> None:
-        latest = await self.policy.newer_than.remote(self.engine.version, timeout_s)
-        if latest is not None:
-            version, [weights] = latest
-            await self.engine.update_weights(await weights, version)
-        await self.policy.ack.remote(self.replica, self.engine.version)
-
-    async def _follow(self) -> None:
-        while True:
-            try:
-                await self._catch_up(timeout_s=30.0)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a failed update is logged and retried; the old weights keep serving
-                logger.exception("applying a published policy version failed; retrying")
-                await asyncio.sleep(5.0)
+        self.follower = PolicyFollower(self.engine, self.policy, self.replica)
+        await self.follower.start()  # serve the current policy before taking traffic
 
     async def generate(self, prompt_ids: list[int], params: dict) -> AsyncIterator[TokenChunk]:
         """Stream :class:`TokenChunk` deltas; call with ``handle.options(stream=True)``."""
         sampling = SamplingParams.model_validate(params)
-        outputs = [Completion(index=i) for i in range(sampling.n)]
-        async for chunk in self.engine.generate(prompt_ids, sampling):
-            if self.request_log.maxlen:
-                outputs[chunk.index].add(chunk)
+        async for chunk in self.request_log.tap(prompt_ids, sampling.n, self.engine.generate(prompt_ids, sampling)):
             yield chunk
-        if self.request_log.maxlen:
-            self.request_log.append({"prompt_ids": list(prompt_ids), "outputs": [asdict(o) for o in outputs]})
 
     async def generate_all(self, prompt_ids: list[int], params: dict) -> list[Completion]:
         """Whole completions in one reply: for callers that do not stream, this
@@ -87,7 +61,7 @@ class RolloutServer:
     async def recent_requests(self, count: int = 16) -> list[dict]:
         """The last ``count`` finished requests: prompt ids and each output's ids,
         logprobs and versions, as the engine produced them (oldest first)."""
-        return list(self.request_log)[-count:]
+        return self.request_log.recent(count)
 
     async def update_weights(self, weights: Mapping | str, version: int) -> dict:
         """Load a full state dict (or a safetensors path on this node) and serve ``version``."""
@@ -112,6 +86,5 @@ class RolloutServer:
         await self.engine.check_alive()
 
     async def __del__(self) -> None:
-        self._follower.cancel()
-        await self.policy.forget.remote(self.replica)
+        await self.follower.stop()
         await self.engine.shutdown()

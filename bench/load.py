@@ -194,6 +194,7 @@ def bench_rlgate(args) -> dict:
                 "run_name": "load",
                 "max_concurrent": args.sessions,
                 "access_log": False,
+                "colocate": args.colocate,
             },
         }
     )
@@ -230,6 +231,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--colocate", action="store_true", help="[gateway] colocate: the engine and sessions in the gateway replica"
+    )
     args = parser.parse_args()
 
     from rich.console import Console

@@ -115,6 +115,12 @@ class GatewayConfig(_Section):
         "path holds a session key), status, milliseconds. train_driver.py turns it off unless set.",
     )
     max_body_bytes: int = Field(4 * 2**20, ge=1024, description="Largest request body (413 beyond).")
+    colocate: bool = Field(
+        False,
+        description="Each gateway replica runs its own engine and owns its sessions (journal in the run folder): "
+        "a chat turn makes no call to another process. One replica for now ([rollout] replicas = 1); "
+        "false: gateway replicas call the RolloutServer deployment and the run's SessionStore actor.",
+    )
     max_messages: int = Field(1024, ge=1, description="Most messages in one chat request.")
     max_n: int = Field(16, ge=1, le=128, description="Most choices per request.")
     max_completion_tokens: int = Field(
@@ -282,6 +288,11 @@ class RLGateConfig(_Section):
             )
         if wanted is not None:
             self.rollout.replicas = wanted
+        if self.gateway.colocate and self.rollout.replicas != 1:
+            raise ValueError(
+                f"gateway.colocate serves sessions from one replica for now, but rollout.replicas is "
+                f"{self.rollout.replicas}: set it to 1, or colocate = false to spread sessions over engines"
+            )
         return self
 
     @property

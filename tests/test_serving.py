@@ -10,7 +10,8 @@ import pytest
 
 from rlgate.config import parse_config
 from rlgate.serving.auth import Auth
-from rlgate.serving.clients import JobsClient, LocalEngine, LocalSessions
+from rlgate.serving.clients import JobsClient, LocalEngine
+from rlgate.serving.owned import LocalSessions
 from rlgate.serving.routes import build_app
 from rlgate.serving.service import GatewayService
 from rlgate.sessions import SessionManager, hash_key
@@ -122,7 +123,7 @@ def test_the_serving_path_imports_without_ray():
     import subprocess
     import sys
 
-    modules = ", ".join(f"rlgate.serving.{name}" for name in ("routes", "service", "turns", "auth", "errors"))
+    modules = ", ".join(f"rlgate.serving.{name}" for name in ("routes", "service", "turns", "auth", "errors", "owned"))
     check = f"import sys, {modules}; print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))"
     found = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
     assert found.stdout.strip() == "[]", found.stdout

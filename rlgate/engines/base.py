@@ -16,9 +16,10 @@ import abc
 import asyncio
 import json
 import struct
+from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -112,6 +113,31 @@ async def collect(stream: AsyncIterator[TokenChunk], n: int = 1) -> list[Complet
     async for chunk in stream:
         completions[chunk.index].add(chunk)
     return completions
+
+
+class RequestLog:
+    """The last ``size`` finished requests exactly as the engine saw and answered
+    them (prompt ids, each output's ids, logprobs and versions), for audits and
+    tests; ``size`` 0 keeps nothing and costs nothing."""
+
+    def __init__(self, size: int) -> None:
+        self.entries: deque[dict] = deque(maxlen=size)
+
+    async def tap(self, prompt_ids: list[int], n: int, stream: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenChunk]:
+        """``stream`` passed through, logged once it has finished."""
+        if not self.entries.maxlen:
+            async for chunk in stream:
+                yield chunk
+            return
+        outputs = [Completion(index=i) for i in range(n)]
+        async for chunk in stream:
+            outputs[chunk.index].add(chunk)
+            yield chunk
+        self.entries.append({"prompt_ids": list(prompt_ids), "outputs": [asdict(o) for o in outputs]})
+
+    def recent(self, count: int) -> list[dict]:
+        """The last ``count`` entries, oldest first."""
+        return list(self.entries)[-count:]
 
 
 @dataclass

@@ -4,8 +4,8 @@
 the RolloutServer deployment's handle. Both turn Ray's failures into the HTTP
 answer (a session's own error as it is, a dead actor 503, bad engine input
 400), so :class:`rlgate.serving.service.GatewayService` never sees Ray.
-:class:`LocalSessions` and :class:`LocalEngine` are the same interfaces over a
-:class:`rlgate.sessions.SessionManager` and an engine in this process.
+:class:`LocalEngine` is the same interface over an engine in this process
+(sessions held in this process are :mod:`rlgate.serving.owned`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from dataclasses import asdict
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
-from rlgate.engines import Engine, SamplingParams, collect
+from rlgate.engines import Engine, RequestLog, SamplingParams, collect
 from rlgate.engines.base import EngineInputError
 from rlgate.serving.errors import HTTPError, ServiceDown
-from rlgate.sessions import Parent, SessionError, SessionManager
+from rlgate.sessions import Parent, SessionError
 from rlgate.trajectory import Interaction
 
 
@@ -72,37 +72,6 @@ class SessionClient:
         return await self.store.stats.remote()
 
 
-class LocalSessions:
-    """A :class:`SessionManager` in this process, as a :class:`SessionClient`."""
-
-    def __init__(self, manager: SessionManager) -> None:
-        self.manager = manager
-
-    async def start(self, task_id, key_hash, refresh_key_hash, group_size, wait_s, train) -> str:
-        return await self.manager.start(task_id, key_hash, refresh_key_hash, group_size, wait_s, train)
-
-    async def begin(self, key_hash: str, candidate_keys: list[str]) -> tuple[str, Parent | None]:
-        return self.manager.begin(key_hash, candidate_keys)
-
-    async def record(self, session_id: str, interactions: list[Interaction]) -> None:
-        self.manager.record(session_id, interactions)
-
-    def abandon(self, session_id: str) -> None:
-        self.manager.abandon(session_id)
-
-    async def check(self, key_hash: str) -> None:
-        self.manager.check(key_hash)
-
-    async def set_reward(self, key_hash, reward, interaction_id, turn_rewards) -> str:
-        return self.manager.set_reward(key_hash, reward, interaction_id, turn_rewards)
-
-    async def end(self, key_hash: str, failed: bool) -> int:
-        return await self.manager.end(key_hash, failed)
-
-    async def stats(self) -> dict:
-        return self.manager.stats()
-
-
 def engine_error(err: BaseException) -> HTTPError:
     """An engine failure as the HTTP answer: bad input 400, anything else 503."""
     if isinstance(err, BackPressureError):
@@ -146,14 +115,15 @@ class EngineClient:
 
 
 class LocalEngine:
-    """An engine in this process, as an :class:`EngineClient`."""
+    """An engine in this process, as an :class:`EngineClient`; ``request_log``
+    keeps the last requests as the engine saw them (``recent_requests``)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine, request_log: RequestLog | None = None) -> None:
+        self.engine, self.request_log = engine, request_log or RequestLog(0)
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator:
         try:
-            async for chunk in self.engine.generate(prompt_ids, params):
+            async for chunk in self.request_log.tap(prompt_ids, params.n, self.engine.generate(prompt_ids, params)):
                 yield chunk
         except EngineInputError as err:
             raise HTTPError(400, str(err)) from None
