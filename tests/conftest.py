@@ -113,7 +113,8 @@ def ray_session():
 @dataclass
 class GatewayApp:
     """A running gateway application: its base URL (the app root), admin key,
-    settings, run folder, and a handle to its RolloutServer."""
+    settings, run folder, and a handle to its engines (the RolloutServer, or the
+    Gateway itself when colocated)."""
 
     name: str
     url: str
@@ -158,7 +159,7 @@ def start_gateway(ray_session, tmp_path_factory, name: str, settings: dict) -> G
     config = parse_config(settings)
     admin_key = "test-admin-" + secrets.token_hex(16)
     serve.run(build_app(config, hash_key(admin_key)), name=name, route_prefix=f"/{name}")
-    rollout = serve.get_deployment_handle("RolloutServer", app_name=name)
+    rollout = serve.get_deployment_handle("Gateway" if config.gateway.colocate else "RolloutServer", app_name=name)
     return GatewayApp(name, f"{ray_session.serve_url}/{name}", admin_key, config, run_root / name, rollout)
 
 
