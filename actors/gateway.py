@@ -15,6 +15,9 @@ TrajectoryStore; the JobManager on first use) and serves
   (:class:`rlgate.serving.owned.OwnedSessions`, journaled in the run folder);
   a chat turn stays in this process. Admission and trajectory export still go
   to the CapacityActor and TrajectoryStore, once per session.
+
+With ``[gateway] direct_port`` the replica also serves the app on its own
+listener (:mod:`rlgate.serving.listener`), without Serve's proxy hop.
 Owns, when colocated: the engine, the open sessions and their journal.
 """
 
@@ -33,6 +36,7 @@ from rlgate.config import RLGateConfig
 from rlgate.engines import RequestLog, make_engine
 from rlgate.serving.auth import Auth
 from rlgate.serving.clients import EngineClient, JobsClient, LocalEngine, SessionClient, StoreClient
+from rlgate.serving.listener import Listener, bind
 from rlgate.serving.routes import build_app
 from rlgate.serving.service import GatewayService
 from rlgate.telemetry import Metrics
@@ -102,6 +106,9 @@ class Gateway:
             JobsClient(job_manager),
         )
         self.metrics = Metrics(gateway.run_name)
+        self.listener = None
+        if gateway.direct_port is not None:  # agents may skip Serve's proxy hop
+            self.listener = Listener(build_app(self.service, self.metrics), bind(gateway.host, gateway.direct_port))
 
     def __serve_build_asgi_app__(self):
         return build_app(self.service, self.metrics)
@@ -115,6 +122,8 @@ class Gateway:
             await self.engine.check_alive()
 
     async def __del__(self) -> None:
+        if self.listener is not None:
+            await self.listener.close()
         if self.engine is not None:
             self.sessions.close()
             await self.follower.stop()

@@ -195,6 +195,7 @@ def bench_rlgate(args) -> dict:
                 "max_concurrent": args.sessions,
                 "access_log": False,
                 "colocate": args.colocate,
+                "direct_port": free_port() if args.direct else None,
             },
         }
     )
@@ -203,8 +204,9 @@ def bench_rlgate(args) -> dict:
     quiet = {"enable_access_log": False}
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=quiet)
     serve.run(build_app(config, hash_key(admin)), name="load", route_prefix="/", logging_config=quiet)
+    url = f"http://127.0.0.1:{config.gateway.direct_port or port}"
     try:
-        return asyncio.run(run_rlgate(f"http://127.0.0.1:{port}", admin, args))
+        return asyncio.run(run_rlgate(url, admin, args))
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -233,6 +235,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument(
         "--colocate", action="store_true", help="[gateway] colocate: the engine and sessions in the gateway replica"
+    )
+    parser.add_argument(
+        "--direct", action="store_true", help="[gateway] direct_port: agents call the replica, not Serve's proxy"
     )
     args = parser.parse_args()
 

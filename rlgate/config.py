@@ -115,6 +115,13 @@ class GatewayConfig(_Section):
         "path holds a session key), status, milliseconds. train_driver.py turns it off unless set.",
     )
     max_body_bytes: int = Field(4 * 2**20, ge=1024, description="Largest request body (413 beyond).")
+    direct_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Each gateway replica also serves the API itself on this port (on [gateway] host), "
+        "skipping Serve's proxy hop; replicas on one node share it. Unset: only through Serve's proxy.",
+    )
     colocate: bool = Field(
         False,
         description="Each gateway replica runs its own engine and owns its sessions (journal in the run folder): "
