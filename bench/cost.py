@@ -43,6 +43,12 @@ def cpu_seconds() -> dict[int, tuple[str, float]]:
     return seen
 
 
+def own_seconds() -> float:
+    """User + system CPU-seconds of this process so far (the load generator)."""
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
+
+
 def spent(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
     """CPU-seconds per process label between two :func:`cpu_seconds` readings
     (a process started in between counts from zero; one that ended is lost)."""

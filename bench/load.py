@@ -37,7 +37,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import httpx  # noqa: E402
 import openai  # noqa: E402
 import psutil  # noqa: E402
-from cost import cpu_seconds, per_turn, spent  # noqa: E402
+from cost import cpu_seconds, own_seconds, per_turn, spent  # noqa: E402
 from gateway import QUESTIONS, free_port, vllm_server  # noqa: E402
 
 from rlgate.models import prepare_model  # noqa: E402
@@ -67,7 +67,7 @@ class Tally:
             self.latencies[call].append(time.perf_counter() - started)
         return result if status < 400 else None
 
-    def summary(self, seconds: float, cpu: dict[str, float]) -> dict:
+    def summary(self, seconds: float, cpu: dict[str, float], client_cpu: float) -> dict:
         def pct(values, q):
             ordered = sorted(values)
             return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
@@ -84,15 +84,26 @@ class Tally:
             "statuses": dict(sorted(self.statuses.items())),
             "errors": sum(n for k, n in self.statuses.items() if not k.endswith(" 200")),
             "cpu_ms_per_turn": per_turn(cpu, len(self.latencies["chat"])),
+            # the agents' side (this process) shares the machine: it bounds both servers alike
+            "client_cpu_ms_per_turn": round(1000 * client_cpu / max(1, len(self.latencies["chat"])), 2),
         }
 
 
-async def conversation(client: openai.AsyncOpenAI, model: str, turns: int, index: int, tally: Tally, max_tokens: int):
+async def conversation(
+    client: openai.AsyncOpenAI,
+    model: str,
+    turns: int,
+    index: int,
+    tally: Tally,
+    max_tokens: int,
+    logprobs: bool = False,
+):
     """Up to ``turns`` chat completions continuing one conversation; returns how many were answered."""
     messages = [{"role": "user", "content": QUESTIONS[index % len(QUESTIONS)]}]
+    extra = {"logprobs": True} if logprobs else {}
     for turn in range(turns):
         reply = await tally.timed(
-            "chat", client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens)
+            "chat", client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, **extra)
         )
         if reply is None:
             return turn
@@ -130,7 +141,7 @@ async def peer_agent(url: str, index: int, args, tally: Tally, deadline: float) 
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=60)) as http:
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, http_client=http)
         while time.monotonic() < deadline:
-            await conversation(client, "bench", args.turns, index, tally, args.max_tokens)
+            await conversation(client, "bench", args.turns, index, tally, args.max_tokens, args.peer_logprobs)
 
 
 def rss_of(markers: tuple[str, ...]) -> int:
@@ -156,9 +167,9 @@ async def run_rlgate(url: str, admin: str, args) -> dict:
                     peak.update(open=open_now, rss=rss_of(markers))
                 await asyncio.sleep(1)
 
-    started, cpu_before = time.monotonic(), cpu_seconds()
+    started, cpu_before, client_before = time.monotonic(), cpu_seconds(), own_seconds()
     await asyncio.gather(sample(), *[rlgate_agent(url, admin, i, args, tally, deadline) for i in range(args.sessions)])
-    result = tally.summary(time.monotonic() - started, spent(cpu_before, cpu_seconds()))
+    result = tally.summary(time.monotonic() - started, spent(cpu_before, cpu_seconds()), own_seconds() - client_before)
     result["peak_open_sessions"] = peak["open"]
     result["rss_per_open_session_kib"] = (peak["rss"] - baseline) / max(1, peak["open"]) / 1024
     async with httpx.AsyncClient(timeout=600) as http:
@@ -216,13 +227,15 @@ def bench_peer(args) -> dict:
     with vllm_server(prepare_model(args.model)) as url:
         tally = Tally()
         deadline = time.monotonic() + args.seconds
-        started, cpu_before = time.monotonic(), cpu_seconds()
+        started, cpu_before, client_before = time.monotonic(), cpu_seconds(), own_seconds()
 
         async def agents():
             await asyncio.gather(*[peer_agent(url, i, args, tally, deadline) for i in range(args.sessions)])
 
         asyncio.run(agents())
-        return tally.summary(time.monotonic() - started, spent(cpu_before, cpu_seconds()))
+        return tally.summary(
+            time.monotonic() - started, spent(cpu_before, cpu_seconds()), own_seconds() - client_before
+        )
 
 
 def main() -> None:
@@ -239,6 +252,11 @@ def main() -> None:
     parser.add_argument(
         "--direct", action="store_true", help="[gateway] direct_port: agents call the replica, not Serve's proxy"
     )
+    parser.add_argument(
+        "--peer-logprobs",
+        action="store_true",
+        help="vLLM's agents ask for logprobs, as an RL client of vllm serve must (rlgate records them anyway)",
+    )
     args = parser.parse_args()
 
     from rich.console import Console
@@ -250,7 +268,17 @@ def main() -> None:
         title=f"{args.sessions} agents x {args.turns} turns, {args.seconds:g} s, {args.model}, "
         f"max_tokens={args.max_tokens}, {os.cpu_count()} CPUs"
     )
-    columns = ("server", "sessions/s", "turns/s", "chat p50 s", "chat p99 s", "errors", "CPU ms/turn", "rlgate / vLLM")
+    columns = (
+        "server",
+        "sessions/s",
+        "turns/s",
+        "chat p50 s",
+        "chat p99 s",
+        "errors",
+        "CPU ms/turn",
+        "agents' CPU ms/turn",
+        "rlgate / vLLM",
+    )
     for column in columns:
         table.add_column(column, justify="right")
     for name, result in (("vllm serve (peer)", peer), ("rlgate gateway", ours)):
@@ -263,6 +291,7 @@ def main() -> None:
             f"{chat['p99']:.2f}",
             str(result["errors"]),
             f"{result['cpu_ms_per_turn']['total']:.1f}",
+            f"{result['client_cpu_ms_per_turn']:.1f}",
             f"{ours['turns_per_s'] / peer['turns_per_s']:.2f}x turns/s, "
             f"{ours['cpu_ms_per_turn']['total'] / peer['cpu_ms_per_turn']['total']:.2f}x CPU/turn"
             if name.startswith("rlgate")

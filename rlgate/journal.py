@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from rlgate.trajectory import Interaction, SessionTrajectory
@@ -57,7 +56,7 @@ class SessionJournal:
         )
 
     def recorded(self, session_id: str, interactions: list[Interaction]) -> None:
-        self._write({"op": "record", "id": session_id, "interactions": [asdict(i) for i in interactions]})
+        self._write({"op": "record", "id": session_id, "interactions": [vars(i) for i in interactions]})
 
     def rewarded(self, session) -> None:
         rewards = {i.id: i.reward for i in session.trajectory.interactions.values() if i.reward is not None}

@@ -20,7 +20,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from rlgate.journal import SessionJournal
@@ -226,7 +226,7 @@ class SessionManager:
             samples = [session.trajectory.failure(self.export_style)]
         else:
             samples = session.trajectory.export(self.export_style, self.turn_discount)
-        records = [{**asdict(sample), **extra} for sample in samples]
+        records = [{**vars(sample), **extra} for sample in samples]  # fields are flat: no deep copy
         try:
             if records:
                 await self.persist(records)
