@@ -172,6 +172,9 @@ class VLLMEngine(Engine):
             logprobs=params.top_logprobs,
             ignore_eos=params.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
+            # The gateway decodes text itself: vLLM's detokenizer (and its decoding of every
+            # logprob's token) is needed only to match stop strings.
+            detokenize=bool(params.stop),
         )
 
     async def generate(
