@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 # Two tokens whose reference logprobs are this close are a near tie: which one
 # greedy decoding picks is decided by kernel rounding (CPU model, thread count,
 # engine, batch shape), not by the model. Engines agree with the float32
@@ -30,3 +32,10 @@ def assert_same_greedy(reference, prompt: list[int], a: list[int], b: list[int],
         f"{max(gaps):.2e} nats from the best: not a near tie (< {tol:.0e})"
     )
     return shared
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

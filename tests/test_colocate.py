@@ -1,12 +1,14 @@
 """``[gateway] colocate``: each Gateway replica runs its own engine and owns its
 sessions (real Serve app on loopback, the official openai client, tiny-random
-on the HF engine). A turn is served and recorded in the replica, published
-weights reach its engine, and a SIGKILLed replica's successor takes its open
-sessions back from the journal."""
+on the HF engine). A turn is served and recorded in the replica, also on its
+own listener (``[gateway] direct_port``, no proxy hop), published weights
+reach its engine, and a SIGKILLed replica's successor takes its open sessions
+back from the journal."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import signal
 import time
@@ -19,12 +21,13 @@ import torch
 
 from rlgate.parity import _reference_logprobs
 from tests.conftest import gateway_fixture
+from tests.support import free_port
 
 NAME = "gw-colo"
 SETTINGS = {
     "model": {"name": "tiny-random"},
     "rollout": {"engine": "hf", "max_model_len": 512, "request_log_size": 8},
-    "gateway": {"colocate": True},
+    "gateway": {"colocate": True, "direct_port": free_port()},
 }
 pytestmark = pytest.mark.slow
 
@@ -50,11 +53,13 @@ def prompt_len(record: dict) -> int:
     return record["loss_mask"].index(1)
 
 
-def test_a_colocated_replica_serves_records_and_exports_without_the_split_actors(colo, ray_session):
+def test_a_colocated_replica_serves_records_and_exports_on_its_own_port(colo, ray_session):
     from ray import serve
 
-    app = colo
+    direct = f"http://127.0.0.1:{colo.config.gateway.direct_port}"
+    app = dataclasses.replace(colo, url=direct)  # every call below skips Serve's proxy
     started = app.start_session("one")
+    assert started["inference_url"] == f"{direct}/s/{started['api_key']}/v1"
     messages = [{"role": "user", "content": "hi"}]
     first = chat(app, started["api_key"], messages)
     messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "on"}]

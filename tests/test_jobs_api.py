@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import ray
 
 from rlgate.client import RLGateError, RLJob
 from tests.conftest import serve_asgi, start_gateway
+from tests.support import free_port
 
 pytestmark = pytest.mark.slow
 TASK_APP_KEY = "env-key-for-the-jobs-tests"
@@ -201,10 +201,7 @@ def test_a_task_app_that_refuses_our_key_fails_the_job_with_the_reason(jobsgw, t
 
 
 def test_an_unhealthy_task_app_fails_the_job_with_the_reason(jobsgw):
-    with socket.socket() as probe:  # a loopback port nothing listens on
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    job = RLJob(jobsgw.url, jobsgw.admin_key, payload(f"http://127.0.0.1:{port}"))
+    job = RLJob(jobsgw.url, jobsgw.admin_key, payload(f"http://127.0.0.1:{free_port()}"))  # nothing listens
     job.submit()
     final = job.poll_until_complete(timeout=300, interval=0.5)
     assert final["status"] == "failed"

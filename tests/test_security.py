@@ -5,7 +5,6 @@ logs, the metrics endpoint, exported trajectories, answers to other callers."""
 from __future__ import annotations
 
 import secrets
-import socket
 import time
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import httpx
 import pytest
 
 from tests.conftest import gateway_fixture
+from tests.support import free_port
 
 SETTINGS = {
     "model": {"name": "tiny-random"},
@@ -27,9 +27,7 @@ sec = gateway_fixture("gw-sec", SETTINGS)
 
 
 def unreachable_url() -> str:
-    with socket.socket() as probe:  # a loopback port nothing listens on
-        probe.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{probe.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"  # a loopback port nothing listens on
 
 
 def failed_job(sec) -> tuple[str, str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,15 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from rlgate.models import prepare_model
+from tests.support import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def config(tmp_path, total_steps: int) -> Path:
