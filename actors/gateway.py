@@ -37,6 +37,7 @@ from rlgate.engines import RequestLog, make_engine
 from rlgate.serving.auth import Auth
 from rlgate.serving.clients import EngineClient, JobsClient, LocalEngine, SessionClient, StoreClient
 from rlgate.serving.listener import Listener, bind
+from rlgate.serving.owned import claim_journal
 from rlgate.serving.routes import build_app
 from rlgate.serving.service import GatewayService
 from rlgate.telemetry import Metrics
@@ -79,9 +80,8 @@ class Gateway:
             await self.follower.start()  # serve the current policy before taking traffic
             self.request_log = RequestLog(settings.rollout.request_log_size)
             engine = LocalEngine(self.engine, self.request_log)
-            sessions = owned_sessions(
-                capacity, trajectories, gateway.model_dump(), *_journal(Path(gateway.run_dir), deployment)
-            )
+            journal, resume = claim_journal(Path(gateway.run_dir) / "sessions", deployment)
+            sessions = owned_sessions(capacity, trajectories, gateway.model_dump(), journal, resume)
         else:
             engine = EngineClient(rollout)
             sessions = SessionClient(
@@ -128,14 +128,3 @@ class Gateway:
             self.sessions.close()
             await self.follower.stop()
             await self.engine.shutdown()
-
-
-def _journal(run_dir: Path, deployment: str) -> tuple[Path, bool]:
-    """The session journal of a colocated replica, and whether its sessions go on
-    (this deployment wrote the journal: a replica of it crashed and was replaced)."""
-    folder = run_dir / "sessions"
-    folder.mkdir(parents=True, exist_ok=True)
-    owner = folder / "owner"
-    resume = bool(deployment) and owner.exists() and owner.read_text() == deployment
-    owner.write_text(deployment)
-    return folder / "journal.jsonl", resume

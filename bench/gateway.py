@@ -2,13 +2,17 @@
 OpenAI server on the same model, prompts, max_tokens and concurrency, in one run.
 
     python bench/gateway.py [--model smollm2-135m-instruct] [--concurrency 1 8 32] [--requests 4]
+                            [--stream] [--colocate] [--direct]
 
 Each of ``c`` concurrent clients sends ``--requests`` chat completions back to
 back (greedy, so both servers generate the same tokens). Through rlgate each
 client is one session (start_session, chats with its key, end_session), so
 every completion is rendered, generated, recorded and exported. Prints
 requests/s, p50/p99 latency and the ratio rlgate/vLLM. The two servers run one
-after the other, never together.
+after the other, never together. ``--stream`` streams every answer (tokens
+from the final usage chunk; the time to the first content chunk is reported
+too); ``--colocate`` and ``--direct`` run
+rlgate with ``[gateway] colocate`` and ``direct_port``.
 """
 
 from __future__ import annotations
@@ -57,10 +61,11 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-async def drive(base_url: str, keys: list[str], model: str, requests: int, max_tokens: int):
+async def drive(base_url: str, keys: list[str], model: str, requests: int, max_tokens: int, stream: bool = False):
     """Run len(keys) clients concurrently; return (latencies, seconds, completion tokens,
-    CPU-seconds the servers spent per process)."""
+    CPU-seconds the servers spent per process, times to the first streamed token)."""
     latencies: list[float] = []
+    first_tokens: list[float] = []
     tokens = 0
 
     async def client(index: int, key: str) -> None:
@@ -68,22 +73,34 @@ async def drive(base_url: str, keys: list[str], model: str, requests: int, max_t
         api = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=600)
         for r in range(requests):
             question = QUESTIONS[(index + r) % len(QUESTIONS)]
+            body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens}
             started = time.perf_counter()
-            reply = await api.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": question}], max_tokens=max_tokens, temperature=0
-            )
+            if stream:
+                first, usage = None, None
+                options = {"include_usage": True}
+                async for chunk in await api.chat.completions.create(
+                    **body, temperature=0, stream=True, stream_options=options
+                ):
+                    if first is None and chunk.choices and chunk.choices[0].delta.content:
+                        first = time.perf_counter() - started
+                    usage = chunk.usage or usage
+                tokens += usage.completion_tokens
+                first_tokens.append(first if first is not None else float("nan"))
+            else:
+                reply = await api.chat.completions.create(**body, temperature=0)
+                tokens += reply.usage.completion_tokens
             latencies.append(time.perf_counter() - started)
-            tokens += reply.usage.completion_tokens
         await api.close()
 
     started, cpu_before = time.perf_counter(), cpu_seconds()
     await asyncio.gather(*[client(i, key) for i, key in enumerate(keys)])
-    return latencies, time.perf_counter() - started, tokens, spent(cpu_before, cpu_seconds())
+    return latencies, time.perf_counter() - started, tokens, spent(cpu_before, cpu_seconds()), first_tokens
 
 
-def summarise(latencies, seconds, tokens, cpu) -> dict:
+def summarise(latencies, seconds, tokens, cpu, first_tokens) -> dict:
     ordered = sorted(latencies)
     return {
+        "first_token_p50_s": statistics.median(first_tokens) if first_tokens else None,
         "cpu_ms_per_request": per_turn(cpu, len(latencies)),
         "requests_per_s": len(latencies) / seconds,
         "tokens_per_s": tokens / seconds,
@@ -145,16 +162,17 @@ def vllm_server(model_path: Path):
         server.wait(timeout=60)
 
 
-def bench_vllm_server(model_path: Path, levels, requests, max_tokens) -> dict:
+def bench_vllm_server(model_path: Path, levels, requests, max_tokens, stream: bool = False) -> dict:
     with vllm_server(model_path) as url:
         asyncio.run(drive(f"{url}/v1", ["none"], "bench", 1, 4))  # warm-up
         return {
-            c: summarise(*asyncio.run(drive(f"{url}/v1", ["none"] * c, "bench", requests, max_tokens))) for c in levels
+            c: summarise(*asyncio.run(drive(f"{url}/v1", ["none"] * c, "bench", requests, max_tokens, stream)))
+            for c in levels
         }
 
 
-def bench_rlgate(model: str, levels, requests, max_tokens) -> dict:
-    """rlgate's gateway and RolloutServer on local Ray, sessions and recording on."""
+def bench_rlgate(model: str, levels, requests, max_tokens, stream=False, colocate=False, direct=False) -> dict:
+    """rlgate's gateway and engines on local Ray, sessions and recording on."""
     import secrets
 
     import ray
@@ -170,7 +188,13 @@ def bench_rlgate(model: str, levels, requests, max_tokens) -> dict:
         {
             "model": {"name": model},
             "rollout": {"max_model_len": 2048, "kv_cache_gib": 1.0},
-            "gateway": {"run_dir": run_dir, "run_name": "bench", "max_concurrent": 256},
+            "gateway": {
+                "run_dir": run_dir,
+                "run_name": "bench",
+                "max_concurrent": 256,
+                "colocate": colocate,
+                "direct_port": free_port() if direct else None,
+            },
         }
     )
     port = free_port()
@@ -179,7 +203,7 @@ def bench_rlgate(model: str, levels, requests, max_tokens) -> dict:
     serve.run(
         build_app(config, hash_key(admin)), name="bench", route_prefix="/", logging_config={"enable_access_log": False}
     )
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{config.gateway.direct_port or port}"
     headers = {"Authorization": f"Bearer {admin}"}
 
     def sessions(count):
@@ -199,7 +223,7 @@ def bench_rlgate(model: str, levels, requests, max_tokens) -> dict:
         results = {}
         for c in levels:
             keys = sessions(c)
-            results[c] = summarise(*asyncio.run(drive(f"{url}/v1", keys, model, requests, max_tokens)))
+            results[c] = summarise(*asyncio.run(drive(f"{url}/v1", keys, model, requests, max_tokens, stream)))
             end(keys)
         exported = httpx.get(f"{url}/rl/status", headers=headers).json()["trajectories"]["trajectories"]
         results["trajectories_saved"] = exported
@@ -216,21 +240,37 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, help="requests per client")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--stream", action="store_true", help="stream every answer (SSE)")
+    parser.add_argument("--colocate", action="store_true", help="[gateway] colocate: the engine in the gateway replica")
+    parser.add_argument("--direct", action="store_true", help="[gateway] direct_port: skip Serve's proxy")
     args = parser.parse_args()
 
     from rich.console import Console
     from rich.table import Table
 
     path = prepare_model(args.model)
-    peer = bench_vllm_server(path, args.concurrency, args.requests, args.max_tokens)
-    ours = bench_rlgate(args.model, args.concurrency, args.requests, args.max_tokens)
+    peer = bench_vllm_server(path, args.concurrency, args.requests, args.max_tokens, args.stream)
+    ours = bench_rlgate(
+        args.model, args.concurrency, args.requests, args.max_tokens, args.stream, args.colocate, args.direct
+    )
     expected = sum(args.concurrency) * args.requests + 1  # + the warm-up session
-    table = Table(title=f"chat completions, {args.model}, max_tokens={args.max_tokens}, greedy, {os.cpu_count()} CPUs")
-    for column in ("concurrency", "server", "req/s", "tok/s", "p50 s", "p99 s", "CPU ms/req", "rlgate / vLLM req/s"):
+    shape = ("streamed" if args.stream else "whole") + (", colocated" if args.colocate else "")
+    shape += ", direct port" if args.direct else ""
+    table = Table(
+        title=f"chat completions ({shape}), {args.model}, max_tokens={args.max_tokens}, greedy, {os.cpu_count()} CPUs"
+    )
+    columns = ("concurrency", "server", "req/s", "tok/s", "p50 s", "p99 s", "first token p50 s", "CPU ms/req")
+    for column in (*columns, "rlgate / vLLM req/s, tok/s"):
         table.add_column(column, justify="right")
     for c in args.concurrency:
         for name, result in (("vllm serve", peer[c]), ("rlgate gateway", ours[c])):
-            ratio = f"{ours[c]['requests_per_s'] / peer[c]['requests_per_s']:.2f}" if name.startswith("rlgate") else ""
+            ratio = (
+                f"{ours[c]['requests_per_s'] / peer[c]['requests_per_s']:.2f}, "
+                f"{ours[c]['tokens_per_s'] / peer[c]['tokens_per_s']:.2f}"
+                if name.startswith("rlgate")
+                else ""
+            )
+            first = result["first_token_p50_s"]
             table.add_row(
                 str(c),
                 name,
@@ -238,6 +278,7 @@ def main() -> None:
                 f"{result['tokens_per_s']:.0f}",
                 f"{result['p50_s']:.2f}",
                 f"{result['p99_s']:.2f}",
+                f"{first:.2f}" if first is not None else "-",
                 f"{result['cpu_ms_per_request']['total']:.1f}",
                 ratio,
             )

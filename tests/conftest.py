@@ -5,7 +5,6 @@ suite fast)."""
 from __future__ import annotations
 
 import os
-import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 
 from rlgate.engines import vllm_installed
 from rlgate.models import prepare_model
+from tests.support import free_port
 
 needs_vllm = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed")
 
@@ -100,9 +100,7 @@ def ray_session():
     from ray import serve
 
     ray.init(num_cpus=4, include_dashboard=True, log_to_driver=False)  # the dashboard serves the job API
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     ray.serve_url = f"http://127.0.0.1:{port}"
     yield ray
@@ -186,9 +184,7 @@ def serve_asgi(app):
 
     import uvicorn
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -141,3 +141,16 @@ class OwnedSessions(LocalSessions):
         for task in (self._sweeper, self._ending_orphans):
             if task is not None:
                 task.cancel()
+
+
+def claim_journal(folder: Path, deployment: str) -> tuple[Path, bool]:
+    """The session journal in ``folder`` for a replica of ``deployment`` (a token
+    made once per deployment of the application), and whether the sessions in
+    it go on: only when the same deployment wrote it (a replica of it crashed
+    and this one replaces it). Any other finds an earlier application's
+    sessions, whose agents are gone with it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    owner = folder / "owner"
+    resume = bool(deployment) and owner.exists() and owner.read_text() == deployment
+    owner.write_text(deployment)
+    return folder / "journal.jsonl", resume

@@ -1,0 +1,132 @@
+"""Sessions held in process (``rlgate.serving.owned``) and a replica's own
+listener (``rlgate.serving.listener``), without Ray: what a successor does with
+a predecessor's journal, and the direct port's binding and serving."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from rlgate.serving.listener import Listener, bind
+from rlgate.serving.owned import OwnedSessions, claim_journal
+from rlgate.sessions import hash_key
+from rlgate.trajectory import Interaction
+from tests.support import free_port
+
+SETTINGS = {
+    "export_style": "individual",
+    "turn_discount": 1.0,
+    "session_timeout_s": 3600.0,
+    "refresh_timeout_s": 1.0,
+    "run_name": "owned-test",
+}
+
+
+class Slots:
+    def __init__(self) -> None:
+        self.running, self.reconciled = 0, []
+
+    async def acquire(self, timeout_s=0.0, task_id=None, group_size=None) -> bool:
+        self.running += 1
+        return True
+
+    async def release(self, accepted: bool) -> None:
+        self.running -= 1
+
+    def reconcile(self, running: int) -> None:
+        self.reconciled.append(running)
+        self.running = running
+
+
+def owner(journal, slots: Slots, saved: list, resume: bool) -> OwnedSessions:
+    async def persist(records):
+        saved.extend(records)
+
+    return OwnedSessions(slots, persist, SETTINGS, journal, resume=resume, reconcile=slots.reconcile)
+
+
+def turn(number: int) -> list[Interaction]:
+    return [Interaction(f"i{number}", [1, 2, 3], [4, 5], [-0.5, -0.25], [0, 0], "stop")]
+
+
+async def open_two(journal, slots: Slots, saved: list) -> OwnedSessions:
+    first = owner(journal, slots, saved, resume=False)
+    for name in ("a", "b"):
+        session_id = await first.start(name, hash_key(name), None, None, 0.0, True)
+        await first.record(session_id, turn(0))
+    await first.set_reward(hash_key("a"), 0.5, None, None)
+    return first
+
+
+async def test_a_successor_that_resumes_keeps_the_sessions_going(tmp_path):
+    journal, slots, saved = tmp_path / "journal.jsonl", Slots(), []
+    first = await open_two(journal, slots, saved)
+    first.close()
+
+    successor = owner(journal, slots, saved, resume=True)
+    assert slots.reconciled == [0, 2]  # the slots its sessions hold, counted again
+    assert (await successor.stats())["open_sessions"] == 2
+    await asyncio.sleep(0)
+    assert saved == []  # nothing ended on its behalf
+    assert await successor.end(hash_key("a")) == 1
+    [record] = saved
+    assert (record["task_id"], record["reward"], record["end_reason"]) == ("a", 0.5, "ended")
+    successor.close()
+
+
+async def test_a_new_application_ends_and_exports_what_it_finds(tmp_path):
+    journal, slots, saved = tmp_path / "journal.jsonl", Slots(), []
+    (await open_two(journal, slots, saved)).close()
+
+    fresh = owner(journal, slots, saved, resume=False)
+    await fresh.stats()  # the first call ends the orphans, in the background
+    for _ in range(100):
+        if len(saved) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert sorted((r["task_id"], r["end_reason"]) for r in saved) == [("a", "restart"), ("b", "restart")]
+    assert (await fresh.stats())["open_sessions"] == 0 and slots.running == 0
+    fresh.close()
+
+
+def test_only_the_same_deployment_resumes_a_journal(tmp_path):
+    path, resume = claim_journal(tmp_path / "sessions", "deploy-1")
+    assert path == tmp_path / "sessions" / "journal.jsonl" and not resume  # nothing to take over
+    assert claim_journal(tmp_path / "sessions", "deploy-1")[1]  # a replica of the same deployment: resume
+    assert not claim_journal(tmp_path / "sessions", "deploy-2")[1]  # a new deployment: end them
+    assert not claim_journal(tmp_path / "sessions", "")[1]  # no token: never resume
+
+
+async def test_the_listener_serves_the_app_and_shares_its_port():
+    app = FastAPI()
+
+    @app.get("/ping")
+    async def ping():
+        return {"pong": True}
+
+    port = free_port()
+    first, second = Listener(app, bind("127.0.0.1", port)), Listener(app, bind("127.0.0.1", port))
+    try:
+        async with httpx.AsyncClient() as http:
+            for _ in range(200):
+                if first.server.started and second.server.started:
+                    break
+                await asyncio.sleep(0.01)
+            answer = await http.get(f"http://127.0.0.1:{port}/ping")
+        assert answer.json() == {"pong": True} and first.port == second.port == port
+    finally:
+        await first.close()
+        await second.close()
+
+
+def test_a_port_taken_by_another_program_is_a_clear_error():
+    with socket.socket() as taken:  # no SO_REUSEPORT: not shareable
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"cannot listen on 127.0.0.1:{port} \(\[gateway\] direct_port\)"):
+            bind("127.0.0.1", port)
