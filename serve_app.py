@@ -89,6 +89,7 @@ def build_app(config: RLGateConfig, admin_key_hash: str, initial_version: int = 
         bundle = replica_bundle(config)
         gateway = Gateway.options(
             num_replicas=config.rollout.replicas,
+            max_ongoing_requests=config.rollout.max_ongoing_requests,  # the engine's, as a RolloutServer's
             max_queued_requests=config.rollout.max_queued_requests,
             ray_actor_options={"num_cpus": bundle.cpus, "num_gpus": bundle.gpus, "resources": bundle.custom()},
             logging_config=no_access_log,

@@ -37,6 +37,7 @@ from rlgate.engines import RequestLog, make_engine
 from rlgate.serving.auth import Auth
 from rlgate.serving.clients import EngineClient, JobsClient, LocalEngine, SessionClient, StoreClient
 from rlgate.serving.listener import Listener, bind
+from rlgate.serving.middleware import InFlightLimit
 from rlgate.serving.owned import claim_journal
 from rlgate.serving.routes import build_app
 from rlgate.serving.service import GatewayService
@@ -108,7 +109,9 @@ class Gateway:
         self.metrics = Metrics(gateway.run_name)
         self.listener = None
         if gateway.direct_port is not None:  # agents may skip Serve's proxy hop
-            self.listener = Listener(build_app(self.service, self.metrics), bind(gateway.host, gateway.direct_port))
+            rollout_limits = settings.rollout.max_ongoing_requests + settings.rollout.max_queued_requests
+            direct = InFlightLimit(build_app(self.service, self.metrics), rollout_limits)
+            self.listener = Listener(direct, bind(gateway.host, gateway.direct_port))
 
     def __serve_build_asgi_app__(self):
         return build_app(self.service, self.metrics)

@@ -12,6 +12,7 @@ import pytest
 from fastapi import FastAPI
 
 from rlgate.serving.listener import Listener, bind
+from rlgate.serving.middleware import InFlightLimit
 from rlgate.serving.owned import OwnedSessions, claim_journal
 from rlgate.sessions import hash_key
 from rlgate.trajectory import Interaction
@@ -130,3 +131,36 @@ def test_a_port_taken_by_another_program_is_a_clear_error():
         port = taken.getsockname()[1]
         with pytest.raises(RuntimeError, match=rf"cannot listen on 127.0.0.1:{port} \(\[gateway\] direct_port\)"):
             bind("127.0.0.1", port)
+
+
+async def test_beyond_its_in_flight_limit_the_listener_answers_503_at_once():
+    app, release = FastAPI(), asyncio.Event()
+
+    @app.get("/slow")
+    async def slow():
+        await release.wait()
+        return {"done": True}
+
+    port = free_port()
+    limited = InFlightLimit(app, 2)
+    listener = Listener(limited, bind("127.0.0.1", port))
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            for _ in range(200):
+                if listener.server.started:
+                    break
+                await asyncio.sleep(0.01)
+            held = [asyncio.create_task(http.get("/slow")) for _ in range(2)]
+            for _ in range(200):  # both admitted and waiting
+                if limited.running == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert limited.running == 2
+            refused = await http.get("/slow")
+            assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+            assert "2 requests in flight" in refused.json()["error"]["message"]
+            release.set()
+            assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
+            assert (await http.get("/slow")).status_code == 200  # the slots came back
+    finally:
+        await listener.close()

@@ -1,4 +1,5 @@
-"""Pure ASGI middleware of the gateway: the body limit, request metrics and the access log.
+"""Pure ASGI middleware of the gateway: the body limit, request metrics, the access
+log, and the in-flight limit of a replica's own listener.
 
 Pure ASGI: Starlette's ``BaseHTTPMiddleware`` runs every request through a
 task group and memory streams, which cost more CPU than a tiny engine step.
@@ -44,6 +45,33 @@ class BodyLimit:
             return message
 
         return await self.asgi(scope, counted, send)
+
+
+class InFlightLimit:
+    """503 with ``Retry-After: 1`` at once for a request beyond ``limit`` in flight.
+
+    Serve's proxy bounds what reaches a replica (``max_ongoing_requests``, then
+    ``max_queued_requests``); a replica's own listener (``[gateway]
+    direct_port``) bounds it here, so a flood queues no unbounded work in the
+    engine. A streamed answer counts until its last byte.
+    """
+
+    def __init__(self, asgi, limit: int) -> None:
+        self.asgi, self.limit, self.running = asgi, limit, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.asgi(scope, receive, send)
+        if self.running >= self.limit:
+            busy = error_response(
+                503, f"this gateway replica has {self.limit} requests in flight; retry shortly", retry_after=1
+            )
+            return await busy(scope, receive, send)
+        self.running += 1
+        try:
+            return await self.asgi(scope, receive, send)
+        finally:
+            self.running -= 1
 
 
 class Measure:
