@@ -72,7 +72,7 @@ class Gateway:
         trajectories = TrajectoryStore.options(
             name=f"{run}-trajectories", namespace=NAMESPACE, lifetime="detached", get_if_exists=True
         ).remote(gateway.run_dir)
-        self.engine, self.follower = None, None
+        self.engine, self.follower, self.request_log = None, None, RequestLog(0)
         if gateway.colocate:
             self.engine = make_engine(model_path, settings.rollout, settings.model.dtype, initial_version)
             await self.engine.ready()
@@ -117,7 +117,8 @@ class Gateway:
         return build_app(self.service, self.metrics)
 
     async def recent_requests(self, count: int = 16) -> list[dict]:
-        """Colocated: the last requests as this replica's engine saw them (see RolloutServer)."""
+        """Colocated: the last requests as this replica's engine saw them (see
+        RolloutServer); split: none (ask the RolloutServer)."""
         return self.request_log.recent(count)
 
     async def check_health(self) -> None:

@@ -171,8 +171,10 @@ def bench_vllm_server(model_path: Path, levels, requests, max_tokens, stream: bo
         }
 
 
-def bench_rlgate(model: str, levels, requests, max_tokens, stream=False, colocate=False, direct=False) -> dict:
-    """rlgate's gateway and engines on local Ray, sessions and recording on."""
+@contextlib.contextmanager
+def rlgate_server(name: str, model: str, max_concurrent: int, colocate=False, direct=False, access_log=True):
+    """rlgate on a fresh local Ray, its Serve app ``name`` at the root; yields
+    (base URL, admin key). ``direct``: the URL is the replica's own port."""
     import secrets
 
     import ray
@@ -183,15 +185,15 @@ def bench_rlgate(model: str, levels, requests, max_tokens, stream=False, colocat
     from serve_app import build_app
 
     admin = secrets.token_hex(16)
-    run_dir = tempfile.mkdtemp(prefix="rlgate-bench-")
     config = parse_config(
         {
             "model": {"name": model},
             "rollout": {"max_model_len": 2048, "kv_cache_gib": 1.0},
             "gateway": {
-                "run_dir": run_dir,
-                "run_name": "bench",
-                "max_concurrent": 256,
+                "run_dir": tempfile.mkdtemp(prefix=f"rlgate-{name}-"),
+                "run_name": name,
+                "max_concurrent": max_concurrent,
+                "access_log": access_log,
                 "colocate": colocate,
                 "direct_port": free_port() if direct else None,
             },
@@ -199,11 +201,23 @@ def bench_rlgate(model: str, levels, requests, max_tokens, stream=False, colocat
     )
     port = free_port()
     ray.init(include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
-    serve.run(
-        build_app(config, hash_key(admin)), name="bench", route_prefix="/", logging_config={"enable_access_log": False}
-    )
-    url = f"http://127.0.0.1:{config.gateway.direct_port or port}"
+    quiet = {"enable_access_log": False}
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=quiet)
+    serve.run(build_app(config, hash_key(admin)), name=name, route_prefix="/", logging_config=quiet)
+    try:
+        yield f"http://127.0.0.1:{config.gateway.direct_port or port}", admin
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def bench_rlgate(model: str, levels, requests, max_tokens, stream=False, colocate=False, direct=False) -> dict:
+    """rlgate's gateway and engines on local Ray, sessions and recording on."""
+    with rlgate_server("bench", model, 256, colocate, direct) as (url, admin):
+        return _bench_rlgate(url, admin, model, levels, requests, max_tokens, stream)
+
+
+def _bench_rlgate(url: str, admin: str, model: str, levels, requests, max_tokens, stream) -> dict:
     headers = {"Authorization": f"Bearer {admin}"}
 
     def sessions(count):
@@ -216,21 +230,17 @@ def bench_rlgate(model: str, levels, requests, max_tokens, stream=False, colocat
         for key in keys:
             httpx.post(f"{url}/rl/end_session", headers={"Authorization": f"Bearer {key}"})
 
-    try:
-        warm = sessions(1)
-        asyncio.run(drive(f"{url}/v1", warm, model, 1, 4))
-        end(warm)
-        results = {}
-        for c in levels:
-            keys = sessions(c)
-            results[c] = summarise(*asyncio.run(drive(f"{url}/v1", keys, model, requests, max_tokens, stream)))
-            end(keys)
-        exported = httpx.get(f"{url}/rl/status", headers=headers).json()["trajectories"]["trajectories"]
-        results["trajectories_saved"] = exported
-        return results
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    warm = sessions(1)
+    asyncio.run(drive(f"{url}/v1", warm, model, 1, 4))
+    end(warm)
+    results = {}
+    for c in levels:
+        keys = sessions(c)
+        results[c] = summarise(*asyncio.run(drive(f"{url}/v1", keys, model, requests, max_tokens, stream)))
+        end(keys)
+    exported = httpx.get(f"{url}/rl/status", headers=headers).json()["trajectories"]["trajectories"]
+    results["trajectories_saved"] = exported
+    return results
 
 
 def main() -> None:

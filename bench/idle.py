@@ -20,9 +20,7 @@ import collections
 import gc
 import json
 import os
-import secrets
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,7 +32,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
-from gateway import QUESTIONS, free_port  # noqa: E402
+from gateway import QUESTIONS, rlgate_server  # noqa: E402
 from load import rss_of  # noqa: E402
 
 MARKERS = ("ServeReplica:idle:Gateway", "ray::SessionStore")
@@ -100,35 +98,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    import ray
-    from ray import serve
-
-    from rlgate.config import parse_config
-    from rlgate.sessions import hash_key
-    from serve_app import build_app
-
-    admin = secrets.token_hex(16)
-    config = parse_config(
-        {
-            "model": {"name": args.model},
-            "rollout": {"max_model_len": 2048, "kv_cache_gib": 1.0},
-            "gateway": {
-                "run_dir": tempfile.mkdtemp(prefix="rlgate-idle-"),
-                "run_name": "idle",
-                "max_concurrent": args.sessions,
-                "access_log": False,
-                "colocate": args.colocate,
-                "direct_port": free_port(),
-            },
-        }
-    )
-    ray.init(include_dashboard=False, log_to_driver=False)
-    quiet = {"enable_access_log": False}
-    serve.start(http_options={"host": "127.0.0.1", "port": free_port()}, logging_config=quiet)
-    serve.run(build_app(config, hash_key(admin)), name="idle", route_prefix="/", logging_config=quiet)
-    url = f"http://127.0.0.1:{config.gateway.direct_port}"
     errors: collections.Counter = collections.Counter()
-    try:
+    server = rlgate_server("idle", args.model, args.sessions, args.colocate, direct=True, access_log=False)
+    with server as (url, admin):
         gc.collect()
         before = rss_of(MARKERS)
         started = time.monotonic()
@@ -148,9 +120,6 @@ def main() -> None:
         ).text.splitlines():
             records += [json.loads(line) for line in page]
             since = records[-1]["seq"]
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     saved = collections.Counter(record["session_id"] for record in records)
     result = {
         "sessions_opened": len(opened),

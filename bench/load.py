@@ -21,10 +21,8 @@ import asyncio
 import collections
 import json
 import os
-import secrets
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +36,7 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 import psutil  # noqa: E402
 from cost import cpu_seconds, own_seconds, per_turn, spent  # noqa: E402
-from gateway import QUESTIONS, free_port, vllm_server  # noqa: E402
+from gateway import QUESTIONS, rlgate_server, vllm_server  # noqa: E402
 
 from rlgate.models import prepare_model  # noqa: E402
 
@@ -188,39 +186,8 @@ async def run_rlgate(url: str, admin: str, args) -> dict:
 
 
 def bench_rlgate(args) -> dict:
-    import ray
-    from ray import serve
-
-    from rlgate.config import parse_config
-    from rlgate.sessions import hash_key
-    from serve_app import build_app
-
-    admin = secrets.token_hex(16)
-    config = parse_config(
-        {
-            "model": {"name": args.model},
-            "rollout": {"max_model_len": 2048, "kv_cache_gib": 1.0},
-            "gateway": {
-                "run_dir": tempfile.mkdtemp(prefix="rlgate-load-"),
-                "run_name": "load",
-                "max_concurrent": args.sessions,
-                "access_log": False,
-                "colocate": args.colocate,
-                "direct_port": free_port() if args.direct else None,
-            },
-        }
-    )
-    port = free_port()
-    ray.init(include_dashboard=False, log_to_driver=False)
-    quiet = {"enable_access_log": False}
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=quiet)
-    serve.run(build_app(config, hash_key(admin)), name="load", route_prefix="/", logging_config=quiet)
-    url = f"http://127.0.0.1:{config.gateway.direct_port or port}"
-    try:
+    with rlgate_server("load", args.model, args.sessions, args.colocate, args.direct, access_log=False) as (url, admin):
         return asyncio.run(run_rlgate(url, admin, args))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def bench_peer(args) -> dict:

@@ -39,3 +39,19 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def publish_perturbed(ray_session, store, model, version: int, replicas: int, scale: float = 0.05):
+    """Publish a randomly perturbed copy of ``model`` as ``version`` to the
+    PolicyStore ``store`` and wait until ``replicas`` replicas serve it; returns the copy."""
+    import copy
+
+    import torch
+
+    stepped = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in stepped.parameters():
+            parameter.add_(torch.randn_like(parameter) * scale)
+    ray_session.get(store.publish.remote(version, [ray_session.put(stepped.state_dict())]))
+    assert ray_session.get(store.wait_served.remote(version, replicas, 120))
+    return stepped

@@ -7,7 +7,6 @@ back from the journal."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import signal
@@ -17,11 +16,10 @@ import httpx
 import openai
 import psutil
 import pytest
-import torch
 
 from rlgate.parity import _reference_logprobs
 from tests.conftest import gateway_fixture
-from tests.support import free_port
+from tests.support import free_port, publish_perturbed
 
 NAME = "gw-colo"
 SETTINGS = {
@@ -82,12 +80,7 @@ def test_a_colocated_replica_serves_records_and_exports_on_its_own_port(colo, ra
 def test_published_weights_reach_the_colocated_engine(colo, ray_session, reference_model, tiny_tokenizer):
     app = colo
     store = ray_session.get_actor(f"rlgate-{NAME}-policy", namespace="rlgate")
-    stepped = copy.deepcopy(reference_model)
-    with torch.no_grad():
-        for parameter in stepped.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.05)
-    ray_session.get(store.publish.remote(1, [ray_session.put(stepped.state_dict())]))
-    assert ray_session.get(store.wait_served.remote(1, 1, 120))
+    stepped = publish_perturbed(ray_session, store, reference_model, version=1, replicas=1)
 
     started = app.start_session("weights")
     chat(app, started["api_key"], [{"role": "user", "content": "hello"}], temperature=1.0)

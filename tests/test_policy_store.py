@@ -4,16 +4,15 @@ two HF-engine replicas on tiny-random)."""
 
 from __future__ import annotations
 
-import copy
 import time
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from rlgate.config import parse_config
 from rlgate.engines import SamplingParams
 from rlgate.parity import _reference_logprobs
+from tests.support import publish_perturbed
 
 RUN = "policy-test"
 
@@ -65,12 +64,7 @@ def test_both_replicas_report_what_they_serve(replicas, ray_session):
 
 def test_a_published_version_reaches_every_replica(replicas, ray_session, reference_model, prompts, tiny_path):
     handle, store = replicas
-    stepped = copy.deepcopy(reference_model)
-    with torch.no_grad():
-        for parameter in stepped.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.05)
-    ray_session.get(store.publish.remote(1, [ray_session.put(stepped.state_dict())]))
-    assert ray_session.get(store.wait_served.remote(1, 2, 120))
+    stepped = publish_perturbed(ray_session, store, reference_model, version=1, replicas=2)
     for _ in range(8):  # calls spread over both replicas; every one serves version 1 with the new weights
         tokens, logprobs, versions = generate(handle, prompts[0])
         assert versions == {1}
