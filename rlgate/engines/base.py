@@ -123,12 +123,11 @@ class RequestLog:
     def __init__(self, size: int) -> None:
         self.entries: deque[dict] = deque(maxlen=size)
 
-    async def tap(self, prompt_ids: list[int], n: int, stream: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenChunk]:
-        """``stream`` passed through, logged once it has finished."""
-        if not self.entries.maxlen:
-            async for chunk in stream:
-                yield chunk
-            return
+    def tap(self, prompt_ids: list[int], n: int, stream: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenChunk]:
+        """``stream`` passed through, logged once it has finished (itself, untouched, when off)."""
+        return self._logged(prompt_ids, n, stream) if self.entries.maxlen else stream
+
+    async def _logged(self, prompt_ids, n, stream):
         outputs = [Completion(index=i) for i in range(n)]
         async for chunk in stream:
             outputs[chunk.index].add(chunk)

@@ -7,7 +7,11 @@
   job manager behind plain async methods (Ray's failures become HTTP answers there);
 * :mod:`~rlgate.serving.auth`: admin, session and job keys;
 * :mod:`~rlgate.serving.errors`: OpenAI's error shape for every refusal;
-* :mod:`~rlgate.serving.middleware`: the body limit, request metrics and access log (pure ASGI).
+* :mod:`~rlgate.serving.owned`: sessions held in this process (the SessionStore actor and a
+  colocated Gateway replica), with their journal, idle sweep and metrics;
+* :mod:`~rlgate.serving.listener`: a replica's own HTTP listener (``[gateway] direct_port``);
+* :mod:`~rlgate.serving.middleware`: the body limit, request metrics, access log and the
+  direct listener's in-flight limit (pure ASGI).
 
 Only ``clients`` imports Ray. ``actors.gateway.Gateway`` is the Ray Serve
 deployment: it makes the clients and serves ``build_app``.
