@@ -23,6 +23,7 @@ from actors.rollout_server import RolloutServer
 from rlgate.config import RLGateConfig, load_config
 from rlgate.models import BUILTIN_DTYPES, prepare_model
 from rlgate.placement import replica_bundle
+from rlgate.serving.routing import router_config, serve_start_options
 from rlgate.sessions import hash_key, new_key
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "serve.toml"
@@ -93,6 +94,7 @@ def build_app(config: RLGateConfig, admin_key_hash: str, initial_version: int = 
             max_queued_requests=config.rollout.max_queued_requests,
             ray_actor_options={"num_cpus": bundle.cpus, "num_gpus": bundle.gpus, "resources": bundle.custom()},
             logging_config=no_access_log,
+            request_router_config=router_config(config.rollout.replicas),  # a session's requests go to its owner
         )
         return gateway.bind(None, _settings(config), resolve_model(config), admin_key_hash, initial_version, deployment)
     engines = build_rollout_app(config, initial_version)
@@ -135,7 +137,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
     ray.init(address=os.environ.get("RAY_ADDRESS"))
-    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})  # agents use the head
+    # agents use the head; its proxy routes each session's requests to the replica that owns it
+    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port}, **serve_start_options())
     serve.run(build_app(config, hash_key(key)), name="rlgate", route_prefix="/")
     url = f"http://{host}:{port}"
     print(f"rlgate: serving {config.served_model_name} at {url} (OpenAI base URL {url}/v1)", flush=True)

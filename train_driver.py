@@ -33,6 +33,7 @@ from rlgate.config import ConfigError, RLGateConfig, dump_config, load_config
 from rlgate.loop import NAMESPACE, Trainer, collect, normaliser, score
 from rlgate.placement import cluster_nodes, plan, unplaceable, worker_bundle
 from rlgate.runlog import RunLog
+from rlgate.serving.routing import serve_start_options
 from rlgate.sessions import hash_key
 from rlgate.taskapp import TaskAppClient, TaskAppError, environment_key
 from rlgate.tasks import Episodes, builtin_episodes, evaluate, get_task, task_app_episodes
@@ -179,7 +180,8 @@ def serve_gateway(config: RLGateConfig, version: int) -> tuple[str, str]:
     if "access_log" not in gateway.model_fields_set:
         gateway.access_log = False
     # One proxy, on the head: agents use one address (a proxy per node would also collide on a shared host).
-    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port}, logging_config=quiet)
+    http = {"host": host, "port": port}
+    serve.start(proxy_location="HeadOnly", http_options=http, logging_config=quiet, **serve_start_options())
     app = build_app(config, hash_key(key), initial_version=version)
     serve.run(app, name=app_name(config), route_prefix=prefix, logging_config=quiet)
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}{prefix.rstrip('/')}"

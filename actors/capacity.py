@@ -3,11 +3,13 @@
 Created by ``serve_app`` (or ``train_driver``) as one named detached actor
 through :func:`get_or_create_capacity`, so it outlives the driver that made it
 and every part finds the same one by name.
-Called by the Gateway (``acquire`` when a session opens, ``release`` when it
-ends) and by the trainer (``grant`` when it attaches, ``on_new_version`` after
+Called by whoever holds sessions, the SessionStore or each colocated Gateway
+replica (``acquire`` when a session opens, ``release`` when it ends, each
+under its ``holder`` name, so a holder that restarts recounts only its own),
+and by the trainer (``grant`` when it attaches, ``on_new_version`` after
 publishing weights, ``discard`` for sessions it dropped untrained, ``detach``
 when it leaves).
-Owns: the :class:`rlgate.capacity.CapacityRule`, the ``running``, ``accepted``
+Owns: the :class:`rlgate.capacity.CapacityRule`, the ``running`` (per holder), ``accepted``
 and ``rejected`` counters and the policy ``version``. The state lives in memory
 only: a restarted actor would not know which sessions are open.
 """
@@ -29,7 +31,7 @@ from rlgate.telemetry import Metrics
 class CapacityActor:
     def __init__(self, max_concurrent: int) -> None:
         self.rule = CapacityRule(max_concurrent=max_concurrent)
-        self.running = 0
+        self.held: dict[str, int] = {}  # holder -> its open sessions
         self.accepted = 0
         self.rejected = 0
         self.version = 0
@@ -41,13 +43,17 @@ class CapacityActor:
         # groups): they fill no batch, so they must not use up the staleness budget.
         self.discarded = 0
         self.reservations = GroupReservations()  # slots held for groups already started
-        # Bumped by reconcile: an acquire that waited across a SessionStore restart was made
-        # by the store that died, and must not take a slot no one will release.
-        self.generation = 0
+        # Bumped by a holder's reconcile: an acquire that waited across that holder's restart
+        # was made by the holder that died, and must not take a slot no one will release.
+        self.generations: dict[str, int] = {}
         # Notified on every change that can free a slot (release, new version, new settings).
         self._changed = asyncio.Condition()
         name = (ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None) or "rlgate-capacity"
         self.metrics = Metrics(name.removeprefix("rlgate-").removesuffix("-capacity"))
+
+    @property
+    def running(self) -> int:
+        return sum(self.held.values())
 
     def _report(self) -> None:
         self.metrics.set("rlgate_policy_version", self.version)
@@ -67,7 +73,9 @@ class CapacityActor:
             return self.running < self.rule.max_concurrent
         return self._free() >= self.reservations.needed(task_id, self.rule.group_slots(group_size))
 
-    async def acquire(self, timeout_s: float = 0.0, task_id: str | None = None, group_size: int | None = None) -> bool:
+    async def acquire(
+        self, timeout_s: float = 0.0, task_id: str | None = None, group_size: int | None = None, holder: str = ""
+    ) -> bool:
         """Take one slot, waiting up to ``timeout_s`` for one; False (a rejection) on timeout.
 
         With a trainer attached and a ``task_id``, the first session of a group
@@ -76,7 +84,7 @@ class CapacityActor:
         """
         if timeout_s < 0:
             raise ValueError(f"timeout_s must be >= 0 (got {timeout_s})")
-        deadline, generation = time.monotonic() + timeout_s, self.generation
+        deadline, generation = time.monotonic() + timeout_s, self.generations.get(holder, 0)
         async with self._changed:
             # Reservations lapse with time, not with an event: look again at least every second.
             while not self._admits(task_id, group_size) and (left := deadline - time.monotonic()) > 0:
@@ -84,7 +92,7 @@ class CapacityActor:
                     await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
                 except TimeoutError:  # the builtin TimeoutError only from Python 3.11
                     pass
-            if generation != self.generation:
+            if generation != self.generations.get(holder, 0):
                 return False  # its caller is gone
             if not self._admits(task_id, group_size):
                 self.rejected += 1
@@ -97,24 +105,24 @@ class CapacityActor:
                     self.reservations.join(task_id)
                 else:
                     self.reservations.open(task_id, self.rule.group_slots(group_size), time.monotonic())
-            self.running += 1
+            self.held[holder] = self.held.get(holder, 0) + 1
             self._report()
             return True
 
-    async def release(self, accepted: bool) -> None:
-        """A session ended; ``accepted`` when its trajectory was finished and exported."""
+    async def release(self, accepted: bool, holder: str = "") -> None:
+        """A session of ``holder`` ended; ``accepted`` when its trajectory was finished and exported."""
         async with self._changed:
-            if self.running == 0:
-                raise ValueError("release without a running session (running is 0)")
-            self.running -= 1
+            if not self.held.get(holder):
+                raise ValueError(f"release without a running session of holder {holder!r} (it holds none)")
+            self.held[holder] -= 1
             self.accepted += int(accepted)
             self._changed.notify_all()
             self._report()
 
-    async def reconcile(self, running: int) -> None:
-        """The SessionStore (re)started holding ``running`` open sessions: that is the count."""
+    async def reconcile(self, running: int, holder: str = "") -> None:
+        """``holder`` (re)started holding ``running`` open sessions: that is its count."""
         async with self._changed:
-            self.running, self.generation = running, self.generation + 1
+            self.held[holder], self.generations[holder] = running, self.generations.get(holder, 0) + 1
             self._changed.notify_all()
             self._report()
 

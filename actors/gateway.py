@@ -16,13 +16,21 @@ TrajectoryStore; the JobManager on first use) and serves
   a chat turn stays in this process. Admission and trajectory export still go
   to the CapacityActor and TrajectoryStore, once per session.
 
+Colocated replicas are told apart by slot, their Serve replica rank (a
+replacement for a crashed replica gets its rank): slot ``n`` hands out session
+keys ``rlg<n>-...``, journals in ``sessions/`` (slot 0) or
+``sessions/replica-<n>/``, and :class:`rlgate.serving.routing.OwnerRouter`
+brings it the requests of its keys.
+
 With ``[gateway] direct_port`` the replica also serves the app on its own
-listener (:mod:`rlgate.serving.listener`), without Serve's proxy hop.
+listener (:mod:`rlgate.serving.listener`) at ``direct_port + slot``, without
+Serve's proxy hop.
 Owns, when colocated: the engine, the open sessions and their journal.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ray import serve
@@ -32,15 +40,19 @@ from actors.job_manager import get_or_create_job_manager
 from actors.policy_store import PolicyFollower, get_or_create_policy_store
 from actors.session_store import SessionStore, owned_sessions
 from actors.trajectory_store import TrajectoryStore
+from rlgate import api
 from rlgate.config import RLGateConfig
 from rlgate.engines import RequestLog, make_engine
 from rlgate.serving.auth import Auth
-from rlgate.serving.clients import EngineClient, JobsClient, LocalEngine, SessionClient, StoreClient
+from rlgate.serving.clients import EngineClient, JobsClient, LocalEngine, Peers, SessionClient, StoreClient
+from rlgate.serving.errors import HTTPError
 from rlgate.serving.listener import Listener, bind
 from rlgate.serving.middleware import InFlightLimit
 from rlgate.serving.owned import claim_journal
 from rlgate.serving.routes import build_app
+from rlgate.serving.routing import Slot
 from rlgate.serving.service import GatewayService
+from rlgate.sessions import SessionError
 from rlgate.telemetry import Metrics
 
 NAMESPACE = "rlgate"
@@ -73,16 +85,25 @@ class Gateway:
             name=f"{run}-trajectories", namespace=NAMESPACE, lifetime="detached", get_if_exists=True
         ).remote(gateway.run_dir)
         self.engine, self.follower, self.request_log = None, None, RequestLog(0)
+        replica = serve.get_replica_context()
+        self.slot, peers = None, None
         if gateway.colocate:
+            self.slot = Slot(replica.rank.rank, settings.rollout.replicas)
+            if self.slot.replicas > 1:
+                peers = Peers(lambda: serve.get_deployment_handle("Gateway", app_name=replica.app_name))
             self.engine = make_engine(model_path, settings.rollout, settings.model.dtype, initial_version)
             await self.engine.ready()
             policy = get_or_create_policy_store(f"{run}-policy", NAMESPACE, initial_version)
-            self.follower = PolicyFollower(self.engine, policy, serve.get_replica_context().replica_id.unique_id)
+            self.follower = PolicyFollower(self.engine, policy, replica.replica_id.unique_id)
             await self.follower.start()  # serve the current policy before taking traffic
             self.request_log = RequestLog(settings.rollout.request_log_size)
             engine = LocalEngine(self.engine, self.request_log)
-            journal, resume = claim_journal(Path(gateway.run_dir) / "sessions", deployment)
-            sessions = owned_sessions(capacity, trajectories, gateway.model_dump(), journal, resume)
+            folder = Path(gateway.run_dir) / "sessions"
+            if self.slot.index:
+                folder /= f"replica-{self.slot.index}"
+            journal, resume = claim_journal(folder, deployment)
+            holder = f"gateway-{self.slot.index}"  # its sessions, counted apart from other replicas
+            sessions = owned_sessions(capacity, trajectories, gateway.model_dump(), journal, resume, holder)
         else:
             engine = EngineClient(rollout)
             sessions = SessionClient(
@@ -100,26 +121,45 @@ class Gateway:
         self.service = GatewayService(
             settings,
             AutoTokenizer.from_pretrained(model_path),
-            Auth(admin_key_hash),
+            Auth(admin_key_hash, self.slot),
             sessions,
             engine,
             StoreClient(capacity, trajectories),
             JobsClient(job_manager),
+            peers,
         )
         self.metrics = Metrics(gateway.run_name)
         self.listener = None
         if gateway.direct_port is not None:  # agents may skip Serve's proxy hop
             rollout_limits = settings.rollout.max_ongoing_requests + settings.rollout.max_queued_requests
             direct = InFlightLimit(build_app(self.service, self.metrics), rollout_limits)
-            self.listener = Listener(direct, bind(gateway.host, gateway.direct_port))
+            port = gateway.direct_port + (self.slot.index if self.slot is not None else 0)
+            self.listener = Listener(direct, bind(gateway.host, port))
 
     def __serve_build_asgi_app__(self):
         return build_app(self.service, self.metrics)
+
+    def record_replica_metadata(self) -> dict:
+        """What this replica's router needs to know of it: its slot (colocated)."""
+        return {"slot": self.slot.index} if self.slot is not None else {}
+
+    async def start_session_here(self, body: dict, base_url: str, authorization: str | None) -> dict:
+        """``start_session`` forwarded by another replica: the refresh of a key of this slot."""
+        try:
+            started = await self.service.start_session(api.StartSessionRequest(**body), base_url, authorization)
+        except HTTPError as err:  # crosses the process boundary as the session error it is
+            raise SessionError(err.status, err.message, err.retry_after) from None
+        return started.model_dump()
 
     async def recent_requests(self, count: int = 16) -> list[dict]:
         """Colocated: the last requests as this replica's engine saw them (see
         RolloutServer); split: none (ask the RolloutServer)."""
         return self.request_log.recent(count)
+
+    async def replica_status(self) -> dict:
+        """This replica: its slot (colocated; None split), process id and open sessions (colocated)."""
+        owned = self.sessions.open_count() if self.slot is not None else None
+        return {"slot": self.slot and self.slot.index, "pid": os.getpid(), "open_sessions": owned}
 
     async def check_health(self) -> None:
         if self.engine is not None:

@@ -27,26 +27,30 @@ from rlgate.trajectory import Interaction
 class _CapacityClient:
     """The CapacityActor behind the plain async interface SessionManager expects."""
 
-    def __init__(self, actor) -> None:
-        self.actor = actor
+    def __init__(self, actor, holder: str) -> None:
+        self.actor, self.holder = actor, holder
 
     async def acquire(self, timeout_s: float = 0.0, task_id: str | None = None, group_size: int | None = None) -> bool:
-        return await self.actor.acquire.remote(timeout_s, task_id, group_size)
+        return await self.actor.acquire.remote(timeout_s, task_id, group_size, self.holder)
 
     async def release(self, accepted: bool) -> None:
-        await self.actor.release.remote(accepted)
+        await self.actor.release.remote(accepted, self.holder)
+
+    def reconcile(self, running: int):
+        return self.actor.reconcile.remote(running, self.holder)
 
 
-def owned_sessions(capacity, trajectories, settings: dict, journal_path: Path, resume: bool) -> OwnedSessions:
+def owned_sessions(
+    capacity, trajectories, settings: dict, journal_path: Path, resume: bool, holder: str = ""
+) -> OwnedSessions:
     """Sessions held in this process, journaled at ``journal_path``, admitted by
-    the run's CapacityActor and exported to its TrajectoryStore."""
+    the run's CapacityActor (counted as ``holder``'s) and exported to its TrajectoryStore."""
 
     async def persist(records: list[dict]) -> None:
         await trajectories.append.remote(records)
 
-    return OwnedSessions(
-        _CapacityClient(capacity), persist, settings, journal_path, resume=resume, reconcile=capacity.reconcile.remote
-    )
+    client = _CapacityClient(capacity, holder)
+    return OwnedSessions(client, persist, settings, journal_path, resume=resume, reconcile=client.reconcile)
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)  # calls in flight at a crash fail (503), not replay

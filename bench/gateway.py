@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cost import cpu_seconds, per_turn, spent  # noqa: E402
 
 from rlgate.models import prepare_model  # noqa: E402
+from rlgate.serving.routing import serve_start_options  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -202,7 +203,7 @@ def rlgate_server(name: str, model: str, max_concurrent: int, colocate=False, di
     port = free_port()
     ray.init(include_dashboard=False, log_to_driver=False)
     quiet = {"enable_access_log": False}
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=quiet)
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=quiet, **serve_start_options())
     serve.run(build_app(config, hash_key(admin)), name=name, route_prefix="/", logging_config=quiet)
     try:
         yield f"http://127.0.0.1:{config.gateway.direct_port or port}", admin

@@ -120,13 +120,15 @@ class GatewayConfig(_Section):
         ge=1,
         le=65535,
         description="Each gateway replica also serves the API itself on this port (on [gateway] host), "
-        "skipping Serve's proxy hop; replicas on one node share it. Unset: only through Serve's proxy.",
+        "skipping Serve's proxy hop: split replicas on one node share it, colocated replica n listens on "
+        "direct_port + n (a session's requests go to its own replica). Unset: only through Serve's proxy.",
     )
     colocate: bool = Field(
         False,
         description="Each gateway replica runs its own engine and owns its sessions (journal in the run folder): "
-        "a chat turn makes no call to another process. One replica for now ([rollout] replicas = 1); "
-        "false: gateway replicas call the RolloutServer deployment and the run's SessionStore actor.",
+        "a chat turn makes no call to another process. [rollout] replicas sets how many; Serve's proxy "
+        "sends each session's requests to its owner. false: gateway replicas call the RolloutServer "
+        "deployment and the run's SessionStore actor.",
     )
     max_messages: int = Field(1024, ge=1, description="Most messages in one chat request.")
     max_n: int = Field(16, ge=1, le=128, description="Most choices per request.")
@@ -295,10 +297,11 @@ class RLGateConfig(_Section):
             )
         if wanted is not None:
             self.rollout.replicas = wanted
-        if self.gateway.colocate and self.rollout.replicas != 1:
+        direct = self.gateway.direct_port
+        if self.gateway.colocate and direct is not None and direct + self.rollout.replicas - 1 > 65535:
             raise ValueError(
-                f"gateway.colocate serves sessions from one replica for now, but rollout.replicas is "
-                f"{self.rollout.replicas}: set it to 1, or colocate = false to spread sessions over engines"
+                f"gateway.direct_port {direct} + one port per colocated replica ({self.rollout.replicas}) "
+                "goes past 65535: choose a lower port"
             )
         return self
 

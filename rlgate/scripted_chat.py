@@ -40,6 +40,7 @@ def run_chat(config_path: str, max_tokens: int = 64) -> int:
     from rich.text import Text
 
     from rlgate.config import load_config
+    from rlgate.serving.routing import serve_start_options
     from rlgate.sessions import hash_key
     from serve_app import build_app, resolve_model
 
@@ -52,7 +53,11 @@ def run_chat(config_path: str, max_tokens: int = 64) -> int:
     admin = {"Authorization": f"Bearer {secrets.token_urlsafe(24)}"}
     with console.status(f"Starting Ray, a {config.rollout.engine} rollout engine and the gateway (about 30 s on CPU)"):
         ray.init(include_dashboard=False, log_to_driver=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": port},
+            logging_config={"enable_access_log": False},
+            **serve_start_options(),
+        )
         serve.run(build_app(config, hash_key(admin["Authorization"].split()[1])), name="rlgate-demo", route_prefix="/")
     health = httpx.get(f"{url}/health").json()
     console.print(f"[green]gateway ready[/] at {url}: {health}")

@@ -380,8 +380,10 @@ def new_key(prefix: str) -> str:
     return prefix + secrets.token_urlsafe(KEY_BYTES)
 
 
-def new_session_key() -> str:
-    return new_key("rlg-")
+def new_session_key(slot: int | None = None) -> str:
+    """``rlg-<secret>``; ``rlg<slot>-<secret>`` from a colocated gateway replica
+    (the slot routes the session's requests to it: ``rlgate.serving.routing``)."""
+    return new_key("rlg-" if slot is None else f"rlg{slot}-")
 
 
 def same_secret(given: str, expected: str) -> bool:

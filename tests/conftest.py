@@ -18,6 +18,7 @@ import pytest
 
 from rlgate.engines import vllm_installed
 from rlgate.models import prepare_model
+from rlgate.serving.routing import serve_start_options
 from tests.support import free_port
 
 needs_vllm = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed")
@@ -101,7 +102,7 @@ def ray_session():
 
     ray.init(num_cpus=4, include_dashboard=True, log_to_driver=False)  # the dashboard serves the job API
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, **serve_start_options())
     ray.serve_url = f"http://127.0.0.1:{port}"
     yield ray
     serve.shutdown()

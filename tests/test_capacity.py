@@ -272,7 +272,7 @@ async def test_versions_never_go_backwards(make_capacity):
 
 async def test_release_without_a_running_session_raises(make_capacity):
     capacity = make_capacity(2)
-    with pytest.raises(ValueError, match="running is 0"):
+    with pytest.raises(ValueError, match="holds none"):
         await capacity.release.remote(accepted=True)
     assert (await capacity.stats.remote())["accepted"] == 0
 
@@ -363,3 +363,20 @@ async def test_a_wait_across_a_session_store_restart_takes_no_slot(make_capacity
     assert await waiting is False  # its caller is gone: the slot it would take is not counted
     assert (await capacity.stats.remote())["running"] == 0
     assert await capacity.acquire.remote()  # and the new store gets it
+
+
+async def test_holders_are_counted_apart_and_a_restart_recounts_only_its_own(make_capacity, ray_session):
+    capacity = make_capacity(2)
+    assert await capacity.acquire.remote(holder="gateway-0")
+    assert await capacity.acquire.remote(holder="gateway-1")
+    waiting = capacity.acquire.remote(30.0, holder="gateway-0")
+    assert await capacity.acquire.remote(holder="gateway-1") is False  # one bound over every holder
+    ready, _ = ray_session.wait([waiting], timeout=0.5)
+    assert not ready
+    await capacity.reconcile.remote(0, holder="gateway-1")  # gateway-1 restarted holding none
+    assert await waiting is True  # gateway-0 did not restart: its wait goes on and takes the freed slot
+    assert (await capacity.stats.remote())["running"] == 2
+    with pytest.raises(ValueError, match="'gateway-1'"):
+        await capacity.release.remote(accepted=True, holder="gateway-1")
+    await capacity.release.remote(accepted=True, holder="gateway-0")
+    assert (await capacity.stats.remote())["running"] == 1

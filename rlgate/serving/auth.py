@@ -6,6 +6,7 @@ Keys are compared by SHA-256 in constant time and never kept raw.
 from __future__ import annotations
 
 from rlgate.serving.errors import HTTPError
+from rlgate.serving.routing import Slot
 from rlgate.sessions import hash_key, same_secret
 
 
@@ -19,8 +20,9 @@ def bearer(authorization: str | None) -> str:
 
 
 class Auth:
-    def __init__(self, admin_key_hash: str) -> None:
-        self.admin_key_hash = admin_key_hash
+    def __init__(self, admin_key_hash: str, slot: Slot | None = None) -> None:
+        """``slot``: this colocated replica's, whose session keys alone it serves."""
+        self.admin_key_hash, self.slot = admin_key_hash, slot
 
     def is_admin(self, key: str) -> bool:
         return same_secret(hash_key(key), self.admin_key_hash)
@@ -34,6 +36,8 @@ class Auth:
         key = bearer(authorization)
         if self.is_admin(key):
             raise HTTPError(400, "the admin key is not a session key; use the api_key from /rl/start_session")
+        if self.slot is not None:
+            self.slot.check(key)
         return hash_key(key)
 
     def job_caller(self, authorization: str | None) -> str | None:

@@ -10,12 +10,13 @@ answer (a session's own error as it is, a dead actor 503, bad engine input
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
+from rlgate import api
 from rlgate.engines import Engine, RequestLog, SamplingParams, collect
 from rlgate.engines.base import EngineInputError
 from rlgate.serving.errors import HTTPError, ServiceDown
@@ -171,3 +172,23 @@ class JobsClient:
             if not retry:
                 raise
             return await self.call(method, *args, retry=False)
+
+
+class Peers:
+    """The other colocated Gateway replicas, reached through the deployment's own
+    handle: its ``OwnerRouter`` takes a call with ``session_id=<slot>`` to that slot."""
+
+    def __init__(self, handle: Callable[[], object]) -> None:
+        self._handle, self.handle = handle, None
+
+    async def start_session(
+        self, owner: int, body: api.StartSessionRequest, base_url: str, authorization: str | None
+    ) -> api.StartSessionResponse:
+        """``start_session`` on the replica of slot ``owner`` (a refresh of one of its keys)."""
+        self.handle = self.handle or self._handle()
+        call = self.handle.options(method_name="start_session_here", session_id=str(owner))
+        try:
+            started = await settle(call.remote(body.model_dump(), base_url, authorization))
+        except BackPressureError:
+            raise HTTPError(503, "the replica owning this key is busy; retry", retry_after=1) from None
+        return api.StartSessionResponse(**started)

@@ -35,6 +35,7 @@ ERROR_TYPES = {
     409: "conflict_error",
     410: "gone_error",
     413: "invalid_request_error",
+    421: "misdirected_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
 }

@@ -57,6 +57,9 @@ class LocalSessions:
     async def stats(self) -> dict:
         return self.manager.stats()
 
+    def open_count(self) -> int:
+        return len(self.manager.sessions)
+
 
 class OwnedSessions(LocalSessions):
     def __init__(

@@ -33,7 +33,7 @@ from rlgate.toolcalls import detect_parser, get_parser
 from rlgate.trajectory import Interaction
 
 if TYPE_CHECKING:  # the Ray-backed clients; tests may hand in any object with their methods
-    from rlgate.serving.clients import EngineClient, JobsClient, SessionClient, StoreClient
+    from rlgate.serving.clients import EngineClient, JobsClient, Peers, SessionClient, StoreClient
 
 
 class GatewayService:
@@ -46,8 +46,10 @@ class GatewayService:
         engine: EngineClient,
         stores: StoreClient,
         jobs: JobsClient,
+        peers: Peers | None = None,
     ) -> None:
-        self.settings, self.tokenizer, self.auth = settings, tokenizer, auth
+        """``peers``: with colocated replicas, how to reach the owner of another slot."""
+        self.settings, self.tokenizer, self.auth, self.peers = settings, tokenizer, auth, peers
         self.sessions, self.engine, self.stores, self.jobs = sessions, engine, stores, jobs
         gateway = settings.gateway
         self.renderer = ChatRenderer(tokenizer) if tokenizer.chat_template else None
@@ -88,12 +90,16 @@ class GatewayService:
         self, body: api.StartSessionRequest, base_url: str, authorization: str | None
     ) -> api.StartSessionResponse:
         self.auth.admin(authorization)
+        slot = self.auth.slot
         if body.api_key is not None:
             if self.auth.is_admin(body.api_key):
                 raise HTTPError(400, "api_key must be a session key, not the admin key", param="api_key")
+            owner = slot.owner(body.api_key) if slot is not None else None
+            if owner is not None and self.peers is not None:  # a refresh belongs with the key's sessions
+                return await self.peers.start_session(owner, body, base_url, authorization)
             key, refresh = body.api_key, hash_key(body.api_key)
         else:
-            key, refresh = new_session_key(), None
+            key, refresh = new_session_key(None if slot is None else slot.index), None
         session_id = await self.sessions.start(
             body.task_id, hash_key(key), refresh, body.group_size, body.wait_s, body.train
         )
