@@ -31,6 +31,7 @@ Owns, when colocated: the engine, the open sessions and their journal.
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 
 from ray import serve
@@ -43,14 +44,13 @@ from actors.trajectory_store import TrajectoryStore
 from rlgate import api
 from rlgate.config import RLGateConfig
 from rlgate.engines import RequestLog, make_engine
-from rlgate.serving.auth import Auth
+from rlgate.serving.auth import Auth, Slot
 from rlgate.serving.clients import EngineClient, JobsClient, LocalEngine, Peers, SessionClient, StoreClient
 from rlgate.serving.errors import HTTPError
 from rlgate.serving.listener import Listener, bind
 from rlgate.serving.middleware import InFlightLimit
 from rlgate.serving.owned import claim_journal
 from rlgate.serving.routes import build_app
-from rlgate.serving.routing import Slot
 from rlgate.serving.service import GatewayService
 from rlgate.sessions import SessionError
 from rlgate.telemetry import Metrics
@@ -90,7 +90,8 @@ class Gateway:
         if gateway.colocate:
             self.slot = Slot(replica.rank.rank, settings.rollout.replicas)
             if self.slot.replicas > 1:
-                peers = Peers(lambda: serve.get_deployment_handle("Gateway", app_name=replica.app_name))
+                handle = partial(serve.get_deployment_handle, "Gateway", app_name=replica.app_name)
+                peers = Peers(handle, self.slot.index, self.slot.replicas)
             self.engine = make_engine(model_path, settings.rollout, settings.model.dtype, initial_version)
             await self.engine.ready()
             policy = get_or_create_policy_store(f"{run}-policy", NAMESPACE, initial_version)
@@ -142,6 +143,10 @@ class Gateway:
     def record_replica_metadata(self) -> dict:
         """What this replica's router needs to know of it: its slot (colocated)."""
         return {"slot": self.slot.index} if self.slot is not None else {}
+
+    async def session_stats(self) -> dict:
+        """This replica's session counters (``/rl/status`` sums them over the replicas)."""
+        return await self.sessions.stats()
 
     async def start_session_here(self, body: dict, base_url: str, authorization: str | None) -> dict:
         """``start_session`` forwarded by another replica: the refresh of a key of this slot."""

@@ -34,11 +34,24 @@ def assert_same_greedy(reference, prompt: list[int], a: list[int], b: list[int],
     return shared
 
 
-def free_port() -> int:
-    """A loopback TCP port nothing listens on right now."""
+def free_port(count: int = 1) -> int:
+    """A loopback TCP port nothing listens on right now (with ``count``, the first
+    of that many in a row)."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1]
+        if first + count <= 65536 and all(_free(port) for port in range(first + 1, first + count)):
+            return first
+
+
+def _free(port: int) -> bool:
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def publish_perturbed(ray_session, store, model, version: int, replicas: int, scale: float = 0.05):

@@ -36,6 +36,9 @@ def test_bad_values_are_named():
         parse_config({"rollout": {"replicas": 0}})
     with pytest.raises(ConfigError, match=r"rollout\.engine: .*'vllm', 'hf' or 'auto'"):
         parse_config({"rollout": {"engine": "tensorrt"}})
+    with pytest.raises(ConfigError, match=r"direct_port 65535 \+ one port per colocated replica \(2\)"):
+        parse_config({"rollout": {"replicas": 2}, "gateway": {"colocate": True, "direct_port": 65535}})
+    assert parse_config({"rollout": {"replicas": 2}, "gateway": {"colocate": True, "direct_port": 65534}})
 
 
 def test_missing_and_malformed_files(tmp_path):

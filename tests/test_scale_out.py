@@ -14,15 +14,16 @@ import httpx
 import openai
 import pytest
 
-from rlgate.serving.routing import key_slot
+from rlgate.serving.auth import key_slot
 from tests.conftest import gateway_fixture
+from tests.support import free_port
 from tests.test_colocate import key_of, prompt_len, until_served
 
 NAME = "gw-scale"
 SETTINGS = {
     "model": {"name": "tiny-random"},
     "rollout": {"engine": "hf", "replicas": 2, "max_model_len": 512, "request_log_size": 32},
-    "gateway": {"colocate": True, "max_concurrent": 4},
+    "gateway": {"colocate": True, "max_concurrent": 4, "direct_port": free_port(2)},
 }
 pytestmark = pytest.mark.slow
 
@@ -63,6 +64,15 @@ def test_sessions_spread_stay_on_their_engine_and_survive_a_killed_replica(two):
     status = {slot: replica(app, slot).replica_status.remote().result() for slot in (0, 1)}
     assert {slot: s["slot"] for slot, s in status.items()} == {0: 0, 1: 1}
     assert status[0]["open_sessions"] + status[1]["open_sessions"] == 4
+    summed = httpx.get(f"{app.url}/rl/status", headers=app.admin).json()["sessions"]
+    assert (summed["open_sessions"], summed["replicas_answered"], summed["started"]) == (4, 2, 4)
+
+    # each replica also listens on its own port: direct_port + slot, and serves only its own sessions there
+    direct = [f"http://127.0.0.1:{app.config.gateway.direct_port + slot}" for slot in (0, 1)]
+    on_one = next(s for s in started if key_slot(s["api_key"]) == 1)
+    assert httpx.get(f"{direct[1]}/s/{on_one['api_key']}/v1/models").status_code == 200
+    refused = httpx.get(f"{direct[0]}/s/{on_one['api_key']}/v1/models")
+    assert refused.status_code == 421 and "replica 1" in refused.json()["error"]["message"]
 
     # a refresh through any replica reaches the key's owner: the old session ends, one opens under the key
     refreshed = next(s for s in started if key_slot(s["api_key"]) == 1)

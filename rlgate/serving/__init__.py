@@ -5,7 +5,10 @@
 * :mod:`~rlgate.serving.turns`: one chat turn, whole or streamed, recorded in its session;
 * :mod:`~rlgate.serving.clients`: the session store, the engines, the stores and the
   job manager behind plain async methods (Ray's failures become HTTP answers there);
-* :mod:`~rlgate.serving.auth`: admin, session and job keys;
+* :mod:`~rlgate.serving.auth`: admin, session and job keys, and which colocated replica owns a
+  session key (its slot);
+* :mod:`~rlgate.serving.routing`: bringing a session's requests to that replica (Serve's
+  request router and proxy middleware);
 * :mod:`~rlgate.serving.errors`: OpenAI's error shape for every refusal;
 * :mod:`~rlgate.serving.owned`: sessions held in this process (the SessionStore actor and a
   colocated Gateway replica), with their journal, idle sweep and metrics;
@@ -13,6 +16,6 @@
 * :mod:`~rlgate.serving.middleware`: the body limit, request metrics, access log and the
   direct listener's in-flight limit (pure ASGI).
 
-Only ``clients`` imports Ray. ``actors.gateway.Gateway`` is the Ray Serve
+Only ``clients`` (Ray calls) and ``routing`` (Serve's router) import Ray. ``actors.gateway.Gateway`` is the Ray Serve
 deployment: it makes the clients and serves ``build_app``.
 """

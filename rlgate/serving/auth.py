@@ -1,12 +1,15 @@
-"""Who is calling: the admin key, a session key or a job key, from ``Authorization: Bearer``.
+"""Who is calling: the admin key, a session key or a job key, from ``Authorization: Bearer``;
+and, among colocated replicas, whether a session key is this replica's (its :class:`Slot`).
 
 Keys are compared by SHA-256 in constant time and never kept raw.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+
 from rlgate.serving.errors import HTTPError
-from rlgate.serving.routing import Slot
 from rlgate.sessions import hash_key, same_secret
 
 
@@ -17,6 +20,40 @@ def bearer(authorization: str | None) -> str:
     if scheme.lower() != "bearer" or not token.strip():
         raise HTTPError(401, "malformed Authorization header: expected 'Bearer <key>'")
     return token.strip()
+
+
+_SLOTTED = re.compile(r"rlg(\d{1,4})-")
+
+
+def key_slot(key: str) -> int | None:
+    """The slot a session key names, or None (split-shape keys, admin and job keys)."""
+    match = _SLOTTED.match(key)
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A colocated replica's place: slot ``index`` of ``replicas``."""
+
+    index: int
+    replicas: int
+
+    def owner(self, key: str) -> int | None:
+        """The other replica's slot that owns ``key``; None for this one's keys and
+        keys that name no replica (those are simply unknown here)."""
+        slot = key_slot(key)
+        return slot if slot is not None and slot != self.index and slot < self.replicas else None
+
+    def check(self, key: str) -> None:
+        owner = self.owner(key)
+        if owner is not None:
+            raise HTTPError(
+                421,
+                f"this session belongs to gateway replica {owner} but reached replica {self.index}: send its "
+                "requests through a Serve proxy started with rlgate's routing hook "
+                "(serve.start(**rlgate.serving.routing.serve_start_options()), or controller_options in a "
+                f"Serve config file), or to replica {owner}'s own port ([gateway] direct_port + {owner})",
+            )
 
 
 class Auth:

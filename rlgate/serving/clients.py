@@ -10,6 +10,7 @@ answer (a session's own error as it is, a dead actor 503, bad engine input
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 
@@ -178,15 +179,33 @@ class Peers:
     """The other colocated Gateway replicas, reached through the deployment's own
     handle: its ``OwnerRouter`` takes a call with ``session_id=<slot>`` to that slot."""
 
-    def __init__(self, handle: Callable[[], object]) -> None:
-        self._handle, self.handle = handle, None
+    def __init__(self, handle: Callable[[], object], slot: int, replicas: int) -> None:
+        self._handle, self.handle, self.slot, self.replicas = handle, None, slot, replicas
+
+    def _on(self, slot: int, method: str):
+        self.handle = self.handle or self._handle()
+        return self.handle.options(method_name=method, session_id=str(slot))
+
+    async def session_stats(self, own: dict, timeout_s: float = 5.0) -> dict:
+        """Session counters summed over every replica that answers within ``timeout_s``
+        (one restarting is left out: ``replicas_answered`` says how many did)."""
+
+        async def ask(slot: int) -> dict | None:
+            try:
+                return await asyncio.wait_for(self._on(slot, "session_stats").remote(), timeout_s)
+            except Exception:  # a restarting or unreachable replica: counted as not answering
+                return None
+
+        answers = [own, *await asyncio.gather(*(ask(s) for s in range(self.replicas) if s != self.slot))]
+        answered = [a for a in answers if a is not None]
+        total = {key: sum(a.get(key, 0) for a in answered) for key in own}
+        return {**total, "replicas_answered": len(answered), "replicas": self.replicas}
 
     async def start_session(
         self, owner: int, body: api.StartSessionRequest, base_url: str, authorization: str | None
     ) -> api.StartSessionResponse:
         """``start_session`` on the replica of slot ``owner`` (a refresh of one of its keys)."""
-        self.handle = self.handle or self._handle()
-        call = self.handle.options(method_name="start_session_here", session_id=str(owner))
+        call = self._on(owner, "start_session_here")
         try:
             started = await settle(call.remote(body.model_dump(), base_url, authorization))
         except BackPressureError:

@@ -31,49 +31,16 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 from starlette.middleware import Middleware
 
+from rlgate.serving.auth import key_slot
+
 HOOK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 HOOK = "rlgate.serving.routing.proxy_middlewares"
 ROUTER = "rlgate.serving.routing.OwnerRouter"
-_SLOTTED = re.compile(r"rlg(\d{1,4})-")
 _SCOPED = re.compile(r"/s/(rlg\d{1,4}-)")
-
-
-def key_slot(key: str) -> int | None:
-    """The slot a session key names, or None (split-shape keys, admin and job keys)."""
-    match = _SLOTTED.match(key)
-    return int(match.group(1)) if match else None
-
-
-@dataclass(frozen=True)
-class Slot:
-    """A colocated replica's place: slot ``index`` of ``replicas``."""
-
-    index: int
-    replicas: int
-
-    def owner(self, key: str) -> int | None:
-        """The other replica's slot that owns ``key``; None for this one's keys and
-        keys that name no replica (those are simply unknown here)."""
-        slot = key_slot(key)
-        return slot if slot is not None and slot != self.index and slot < self.replicas else None
-
-    def check(self, key: str) -> None:
-        owner = self.owner(key)
-        if owner is not None:
-            from rlgate.serving.errors import HTTPError
-
-            raise HTTPError(
-                421,
-                f"this session belongs to gateway replica {owner} but reached replica {self.index}: send its "
-                "requests through a Serve proxy started with rlgate's routing hook "
-                "(serve.start(**rlgate.serving.routing.serve_start_options()), or controller_options in a "
-                f"Serve config file), or to replica {owner}'s own port ([gateway] direct_port + {owner})",
-            )
 
 
 def request_slot(path: str, authorization: bytes | None) -> int | None:

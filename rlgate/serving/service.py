@@ -72,7 +72,7 @@ class GatewayService:
     async def status(self, authorization: str | None) -> dict:
         self.auth.admin(authorization)
         sessions, capacity, trajectories, engine = await asyncio.gather(
-            self.sessions.stats(), self.stores.capacity_stats(), self.stores.trajectory_stats(), self.engine.health()
+            self._session_stats(), self.stores.capacity_stats(), self.stores.trajectory_stats(), self.engine.health()
         )
         return {
             "status": "ok",
@@ -83,6 +83,10 @@ class GatewayService:
             "capacity": capacity,
             "trajectories": trajectories,
         }
+
+    async def _session_stats(self) -> dict:
+        own = await self.sessions.stats()
+        return own if self.peers is None else await self.peers.session_stats(own)
 
     # --- session routes (AReaL-compatible) -----------------------------------
 
