@@ -98,9 +98,10 @@ def build_app(config: RLGateConfig, admin_key_hash: str, initial_version: int = 
         )
         return gateway.bind(None, _settings(config), resolve_model(config), admin_key_hash, initial_version, deployment)
     engines = build_rollout_app(config, initial_version)
-    return Gateway.options(ray_actor_options={"num_cpus": 0}, logging_config=no_access_log).bind(
-        engines, _settings(config), resolve_model(config), admin_key_hash, initial_version, deployment
+    gateway = Gateway.options(
+        num_replicas=config.gateway.replicas, ray_actor_options={"num_cpus": 0}, logging_config=no_access_log
     )
+    return gateway.bind(engines, _settings(config), resolve_model(config), admin_key_hash, initial_version, deployment)
 
 
 def app_builder(args: dict) -> Application:

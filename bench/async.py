@@ -3,6 +3,7 @@
 in one run, one after the other.
 
     python bench/async.py [--config configs/bench-learning.toml] [--staleness 2] [--env-delay 1.0] [--steps 10]
+                          [--colocate]
 
 Both runs use the demo config with ``[task] env_delay_s`` set (every turn
 takes a uniformly random 0 to 2 x env-delay seconds, as tools, simulators or
@@ -34,9 +35,12 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 from rlgate.config import dump_config, load_config  # noqa: E402
 
 
-def run(config_path: Path, staleness: int, env_delay: float, steps: int, concurrency: int, folder: Path) -> dict:
+def run(
+    config_path: Path, staleness: int, env_delay: float, steps: int, concurrency: int, folder: Path, colocate: bool
+) -> dict:
     """train_driver.py with S and the environment delay set; its metrics.jsonl."""
     config = load_config(config_path)
+    config.gateway.colocate = colocate or config.gateway.colocate
     config.training.max_staleness = staleness
     config.training.total_steps = steps
     config.training.save_every = 0
@@ -80,13 +84,16 @@ def main() -> int:
     parser.add_argument("--env-delay", type=float, default=1.0, help="mean seconds per environment turn")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--concurrency", type=int, default=32, help="episodes in flight")
+    parser.add_argument("--colocate", action="store_true", help="the gateway runs the engine ([gateway] colocate)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="rlgate-bench-async-") as folder:
         for staleness in (0, args.staleness):
             started = time.monotonic()
-            results.append(run(args.config, staleness, args.env_delay, args.steps, args.concurrency, Path(folder)))
+            results.append(
+                run(args.config, staleness, args.env_delay, args.steps, args.concurrency, Path(folder), args.colocate)
+            )
             results[-1]["wall_s"] = time.monotonic() - started
     print(f"{args.steps} steps, environment {args.env_delay:g} s per turn on average, {args.concurrency} in flight")
     print(f"{'S':>3} {'samples/s':>10} {'s/step':>8} {'staleness':>10} {'dropped tok':>12} {'reward':>12}")

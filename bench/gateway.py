@@ -173,9 +173,12 @@ def bench_vllm_server(model_path: Path, levels, requests, max_tokens, stream: bo
 
 
 @contextlib.contextmanager
-def rlgate_server(name: str, model: str, max_concurrent: int, colocate=False, direct=False, access_log=True):
+def rlgate_server(
+    name: str, model: str, max_concurrent: int, colocate=False, direct=False, access_log=True, replicas: int = 1
+):
     """rlgate on a fresh local Ray, its Serve app ``name`` at the root; yields
-    (base URL, admin key). ``direct``: the URL is the replica's own port."""
+    (base URL, admin key). ``direct``: the URL is the replica's own port (with
+    colocated ``replicas``, replica n's is that port + n)."""
     import secrets
 
     import ray
@@ -189,7 +192,7 @@ def rlgate_server(name: str, model: str, max_concurrent: int, colocate=False, di
     config = parse_config(
         {
             "model": {"name": model},
-            "rollout": {"max_model_len": 2048, "kv_cache_gib": 1.0},
+            "rollout": {"max_model_len": 2048, "kv_cache_gib": 1.0, "replicas": replicas},
             "gateway": {
                 "run_dir": tempfile.mkdtemp(prefix=f"rlgate-{name}-"),
                 "run_name": name,

@@ -1,7 +1,8 @@
 """Learning benchmark: wall-clock to a reward threshold on the demo task,
 rlgate against TRL's ``GRPOTrainer``, in one run, one after the other.
 
-    python bench/learning.py [--config configs/bench-learning.toml] [--thresholds 0.5 0.7 0.9] [--json results.json]
+    python bench/learning.py [--config configs/bench-learning.toml] [--thresholds 0.5 0.7 0.9] [--colocate]
+                             [--json results.json]
 
 Both train the same model on the same task (``[task] builtin``, the demo's
 ``vowels``) with the same batch (sessions per step), group size, learning
@@ -39,15 +40,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from rlgate.config import load_config  # noqa: E402
+from rlgate.config import dump_config, load_config  # noqa: E402
 from rlgate.models import prepare_model  # noqa: E402
 from rlgate.tasks import get_task  # noqa: E402
 
 
-def run_rlgate(config_path: Path) -> dict:
+def run_rlgate(config_path: Path, colocate: bool = False) -> dict:
     """train_driver.py in its own process; step times from its metrics.jsonl."""
     config = load_config(config_path)
     name = f"bench-learning-{int(time.time())}"
+    if colocate:  # the same job with the engine in the gateway replica
+        config.gateway.colocate = True
+        config_path = dump_config(config, Path(tempfile.mkdtemp(prefix="rlgate-bench-learning-")) / "colocated.toml")
     env = os.environ | {"RLGATE_ADMIN_KEY": "bench-learning-admin-key-0123"}
     launched = time.time()
     subprocess.run(
@@ -165,7 +169,9 @@ def reached(result: dict, threshold: float) -> dict:
 
 
 def report(results: dict, thresholds: list[float]) -> None:
-    print(f"{'reward':>6} {'system':8} {'step':>5} {'from launch':>12} {'from 1st rollout':>17} {'median step':>12}")
+    width = max(map(len, results))
+    columns = f"{'step':>5} {'from launch':>12} {'from 1st rollout':>17} {'median step':>12}"
+    print(f"{'reward':>6} {'system':{width}} {columns}")
     for threshold in thresholds:
         summary = {name: reached(result, threshold) for name, result in results.items()}
         for name, s in summary.items():
@@ -173,7 +179,7 @@ def report(results: dict, thresholds: list[float]) -> None:
             launch = f"{s['from_launch_s']:.1f} s" if hit else "-"
             rollout = f"{s['from_first_rollout_s']:.1f} s" if hit else "-"
             step = s["step"] if hit else "never"
-            print(f"{threshold:>6} {name:8} {step:>5} {launch:>12} {rollout:>17} {s['median_step_s']:>10.2f} s")
+            print(f"{threshold:>6} {name:{width}} {step:>5} {launch:>12} {rollout:>17} {s['median_step_s']:>10.2f} s")
         rl, trl = summary["rlgate"], summary["trl"]
         if rl["step"] and trl["step"]:
             print(
@@ -189,6 +195,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "bench-learning.toml")
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.7, 0.9])
+    parser.add_argument(
+        "--colocate", action="store_true", help="also run rlgate with the engine in the gateway ([gateway] colocate)"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -198,7 +207,10 @@ def main() -> int:
         return 0
 
     with tempfile.TemporaryDirectory(prefix="rlgate-bench-learning-") as folder:
-        results = {"rlgate": run_rlgate(args.config), "trl": run_trl(args.config, Path(folder))}
+        results = {"rlgate": run_rlgate(args.config)}
+        if args.colocate:
+            results["rlgate-colocated"] = run_rlgate(args.config, colocate=True)
+        results["trl"] = run_trl(args.config, Path(folder))
     report(results, args.thresholds)
     if args.json:
         args.json.write_text(json.dumps({"thresholds": args.thresholds, "raw": results}, indent=1))

@@ -166,7 +166,14 @@ async def run_rlgate(url: str, admin: str, args) -> dict:
                 await asyncio.sleep(1)
 
     started, cpu_before, client_before = time.monotonic(), cpu_seconds(), own_seconds()
-    await asyncio.gather(sample(), *[rlgate_agent(url, admin, i, args, tally, deadline) for i in range(args.sessions)])
+    # through Serve's proxy every agent uses one URL; on the direct ports of colocated replicas agent i
+    # takes replica i mod N's own (a session's requests must reach its replica, which the proxy would route)
+    urls = [url]
+    if args.direct and args.replicas > 1:
+        host, port = url.rsplit(":", 1)
+        urls = [f"{host}:{int(port) + n}" for n in range(args.replicas)]
+    agents = [rlgate_agent(urls[i % len(urls)], admin, i, args, tally, deadline) for i in range(args.sessions)]
+    await asyncio.gather(sample(), *agents)
     result = tally.summary(time.monotonic() - started, spent(cpu_before, cpu_seconds()), own_seconds() - client_before)
     result["peak_open_sessions"] = peak["open"]
     result["rss_per_open_session_kib"] = (peak["rss"] - baseline) / max(1, peak["open"]) / 1024
@@ -186,7 +193,10 @@ async def run_rlgate(url: str, admin: str, args) -> dict:
 
 
 def bench_rlgate(args) -> dict:
-    with rlgate_server("load", args.model, args.sessions, args.colocate, args.direct, access_log=False) as (url, admin):
+    server = rlgate_server(
+        "load", args.model, args.sessions, args.colocate, args.direct, access_log=False, replicas=args.replicas
+    )
+    with server as (url, admin):
         return asyncio.run(run_rlgate(url, admin, args))
 
 
@@ -219,6 +229,7 @@ def main() -> None:
     parser.add_argument(
         "--direct", action="store_true", help="[gateway] direct_port: agents call the replica, not Serve's proxy"
     )
+    parser.add_argument("--replicas", type=int, default=1, help="engine replicas (colocated: gateway replicas too)")
     parser.add_argument(
         "--peer-logprobs",
         action="store_true",

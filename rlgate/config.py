@@ -78,6 +78,13 @@ class RolloutConfig(_Section):
 class GatewayConfig(_Section):
     host: str = Field("127.0.0.1", min_length=1, description="Address the HTTP server binds.")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Gateway replicas. Split: stateless ones in front of the engines (no CPU of their own); "
+        "colocated: each runs one engine, so this is [rollout] replicas (set one of them).",
+    )
     public_url: str | None = Field(
         None,
         description="Base URL others reach the gateway at (e.g. behind a proxy); inference URLs handed to task "
@@ -288,7 +295,7 @@ class RLGateConfig(_Section):
     tags: dict[str, str] = Field(default_factory=dict, description="Free-form labels kept with the run.")
 
     @model_validator(mode="after")
-    def _one_replica_count(self) -> RLGateConfig:
+    def _replica_counts(self) -> RLGateConfig:
         wanted = self.compute.rollout_replicas
         if wanted is not None and "replicas" in self.rollout.model_fields_set and wanted != self.rollout.replicas:
             raise ValueError(
@@ -297,6 +304,15 @@ class RLGateConfig(_Section):
             )
         if wanted is not None:
             self.rollout.replicas = wanted
+        if self.gateway.colocate and "replicas" in self.gateway.model_fields_set:
+            if "replicas" in self.rollout.model_fields_set and self.rollout.replicas != self.gateway.replicas:
+                raise ValueError(
+                    f"gateway.replicas ({self.gateway.replicas}) and rollout.replicas ({self.rollout.replicas}) "
+                    "disagree: a colocated gateway replica runs one engine; set one of them"
+                )
+            self.rollout.replicas = self.gateway.replicas
+        elif self.gateway.colocate:
+            self.gateway.replicas = self.rollout.replicas
         direct = self.gateway.direct_port
         if self.gateway.colocate and direct is not None and direct + self.rollout.replicas - 1 > 65535:
             raise ValueError(

@@ -41,6 +41,15 @@ def test_bad_values_are_named():
     assert parse_config({"rollout": {"replicas": 2}, "gateway": {"colocate": True, "direct_port": 65534}})
 
 
+def test_a_colocated_gateway_has_as_many_replicas_as_engines():
+    assert parse_config({"gateway": {"colocate": True, "replicas": 3}}).rollout.replicas == 3
+    assert parse_config({"gateway": {"colocate": True}, "rollout": {"replicas": 2}}).gateway.replicas == 2
+    split = parse_config({"gateway": {"replicas": 3}, "rollout": {"replicas": 2}})
+    assert (split.gateway.replicas, split.rollout.replicas) == (3, 2)  # split: stateless gateways, engines apart
+    with pytest.raises(ConfigError, match=r"gateway.replicas \(3\) and rollout.replicas \(2\) disagree"):
+        parse_config({"gateway": {"colocate": True, "replicas": 3}, "rollout": {"replicas": 2}})
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="no such config file"):
         load_config(tmp_path / "absent.toml")
