@@ -24,6 +24,7 @@ sooner).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -180,7 +181,7 @@ def report(results: dict, thresholds: list[float]) -> None:
             rollout = f"{s['from_first_rollout_s']:.1f} s" if hit else "-"
             step = s["step"] if hit else "never"
             print(f"{threshold:>6} {name:{width}} {step:>5} {launch:>12} {rollout:>17} {s['median_step_s']:>10.2f} s")
-        rl, trl = summary["rlgate"], summary["trl"]
+        rl, trl = summary["rlgate"], summary.get("trl", {"step": None})
         if rl["step"] and trl["step"]:
             print(
                 f"{'':6} ratio TRL / rlgate: {trl['from_launch_s'] / rl['from_launch_s']:.2f}x from launch, "
@@ -210,7 +211,10 @@ def main() -> int:
         results = {"rlgate": run_rlgate(args.config)}
         if args.colocate:
             results["rlgate-colocated"] = run_rlgate(args.config, colocate=True)
-        results["trl"] = run_trl(args.config, Path(folder))
+        if importlib.util.find_spec("trl") is not None:
+            results["trl"] = run_trl(args.config, Path(folder))
+        else:
+            print("TRL is not installed (pip install -e '.[bench]', or make bench): rlgate alone", flush=True)
     report(results, args.thresholds)
     if args.json:
         args.json.write_text(json.dumps({"thresholds": args.thresholds, "raw": results}, indent=1))
