@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import ray
 from pydantic import ValidationError
 from ray import serve
@@ -184,11 +185,30 @@ def serve_gateway(config: RLGateConfig, version: int) -> tuple[str, str]:
     serve.start(proxy_location="HeadOnly", http_options=http, logging_config=quiet, **serve_start_options())
     app = build_app(config, hash_key(key), initial_version=version)
     serve.run(app, name=app_name(config), route_prefix=prefix, logging_config=quiet)
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}{prefix.rstrip('/')}"
+    address = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    url = f"http://{address}:{port}{prefix.rstrip('/')}"
     print(f"rlgate: gateway at {url} (OpenAI base URL {url}/v1)", flush=True)
     if generated:
         print(f"rlgate: admin key (shown once; set RLGATE_ADMIN_KEY to choose it): {key}", flush=True)
-    return url, key
+    return direct_url(config, address) or url, key
+
+
+def direct_url(config: RLGateConfig, address: str) -> str | None:
+    """The gateway replica's own port ([gateway] direct_port) when it answers on
+    this host: the run's episodes then skip Serve's proxy hop. None with several
+    colocated replicas (each serves only its own sessions: the proxy routes them)."""
+    gateway = config.gateway
+    if gateway.direct_port is None or (gateway.colocate and gateway.replicas > 1):
+        return None
+    url = f"http://{address}:{gateway.direct_port}"
+    try:
+        answer = httpx.get(f"{url}/health", timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    if not isinstance(answer, dict) or "policy_version" not in answer:
+        return None
+    print(f"rlgate: episodes use the gateway replica's own port, {url}", flush=True)
+    return url
 
 
 def check_task_app(config: RLGateConfig) -> TaskAppClient | None:

@@ -40,7 +40,8 @@ def run(
 ) -> dict:
     """train_driver.py with S and the environment delay set; its metrics.jsonl."""
     config = load_config(config_path)
-    config.gateway.colocate = colocate or config.gateway.colocate
+    if colocate:  # the engine in the gateway replica, episodes on its own port
+        config.gateway.colocate, config.gateway.direct_port = True, config.gateway.port + 1
     config.training.max_staleness = staleness
     config.training.total_steps = steps
     config.training.save_every = 0
@@ -84,7 +85,7 @@ def main() -> int:
     parser.add_argument("--env-delay", type=float, default=1.0, help="mean seconds per environment turn")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--concurrency", type=int, default=32, help="episodes in flight")
-    parser.add_argument("--colocate", action="store_true", help="the gateway runs the engine ([gateway] colocate)")
+    parser.add_argument("--colocate", action="store_true", help="the gateway runs the engine, episodes on its port")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     results = []

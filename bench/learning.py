@@ -50,8 +50,8 @@ def run_rlgate(config_path: Path, colocate: bool = False) -> dict:
     """train_driver.py in its own process; step times from its metrics.jsonl."""
     config = load_config(config_path)
     name = f"bench-learning-{int(time.time())}"
-    if colocate:  # the same job with the engine in the gateway replica
-        config.gateway.colocate = True
+    if colocate:  # the same job with the engine in the gateway replica, episodes on its own port
+        config.gateway.colocate, config.gateway.direct_port = True, config.gateway.port + 1
         config_path = dump_config(config, Path(tempfile.mkdtemp(prefix="rlgate-bench-learning-")) / "colocated.toml")
     env = os.environ | {"RLGATE_ADMIN_KEY": "bench-learning-admin-key-0123"}
     launched = time.time()
@@ -197,7 +197,9 @@ def main() -> int:
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "bench-learning.toml")
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.7, 0.9])
     parser.add_argument(
-        "--colocate", action="store_true", help="also run rlgate with the engine in the gateway ([gateway] colocate)"
+        "--colocate",
+        action="store_true",
+        help="also run rlgate with the engine in the gateway ([gateway] colocate, episodes on its direct_port)",
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)

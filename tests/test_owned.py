@@ -164,3 +164,28 @@ async def test_beyond_its_in_flight_limit_the_listener_answers_503_at_once():
             assert (await http.get("/slow")).status_code == 200  # the slots came back
     finally:
         await listener.close()
+
+
+def test_the_training_driver_plays_on_the_direct_port_only_where_it_answers():
+    from rlgate.config import parse_config
+    from tests.conftest import serve_asgi
+    from train_driver import direct_url
+
+    health = FastAPI()
+
+    @health.get("/health")
+    async def answer():
+        return {"status": "ok", "workers": 1, "policy_version": 0}
+
+    with serve_asgi(health) as url:
+        port = int(url.rsplit(":", 1)[1])
+        one = parse_config({"gateway": {"colocate": True, "direct_port": port}})
+        assert direct_url(one, "127.0.0.1") == url
+        split = parse_config({"gateway": {"direct_port": port}})
+        assert direct_url(split, "127.0.0.1") == url
+        # several colocated replicas each serve their own sessions only: Serve's proxy routes them
+        two = parse_config({"gateway": {"colocate": True, "replicas": 2, "direct_port": port}})
+        assert direct_url(two, "127.0.0.1") is None
+    assert direct_url(parse_config({}), "127.0.0.1") is None  # no direct port
+    nobody = parse_config({"gateway": {"direct_port": free_port()}})
+    assert direct_url(nobody, "127.0.0.1") is None  # nothing answers there (the replica is on another node)
