@@ -46,17 +46,18 @@ class RolloutServer:
         self.follower = PolicyFollower(self.engine, self.policy, self.replica)
         await self.follower.start()  # serve the current policy before taking traffic
 
-    async def generate(self, prompt_ids: list[int], params: dict) -> AsyncIterator[TokenChunk]:
+    async def generate(self, prompt_ids: list[int], params: dict, whole: bool = False) -> AsyncIterator[TokenChunk]:
         """Stream :class:`TokenChunk` deltas; call with ``handle.options(stream=True)``."""
         sampling = SamplingParams.model_validate(params)
-        async for chunk in self.request_log.tap(prompt_ids, sampling.n, self.engine.generate(prompt_ids, sampling)):
+        chunks = self.engine.generate(prompt_ids, sampling, whole=whole)
+        async for chunk in self.request_log.tap(prompt_ids, sampling.n, chunks):
             yield chunk
 
     async def generate_all(self, prompt_ids: list[int], params: dict) -> list[Completion]:
         """Whole completions in one reply: for callers that do not stream, this
         saves a Ray round trip per token chunk."""
         sampling = SamplingParams.model_validate(params)
-        return await collect(self.generate(prompt_ids, params), n=sampling.n)
+        return await collect(self.generate(prompt_ids, params, whole=True), n=sampling.n)
 
     async def recent_requests(self, count: int = 16) -> list[dict]:
         """The last ``count`` finished requests: prompt ids and each output's ids,

@@ -162,3 +162,21 @@ async def test_in_flight_completion_carries_both_versions(engine, tiny_path, pro
     assert versions == sorted(versions)
     if engine.name == "vllm":
         assert engine.version_label_mismatches == 0  # our labels agree with vLLM's own spans
+
+
+async def test_a_whole_completion_across_an_update_carries_both_versions(vllm_engine, tiny_path, prompts):
+    """``whole``: vLLM sends the completion once, finished, and its tokens' versions
+    come from vLLM's own spans, not from when the output arrived."""
+    original = load_file(tiny_path / "model.safetensors")
+    start, params = vllm_engine.version, SamplingParams(max_tokens=600, temperature=0, ignore_eos=True)
+    whole = asyncio.create_task(collect(vllm_engine.generate(prompts[0], params, whole=True)))
+    while not vllm_engine.llm.output_processor.get_num_unfinished_requests():
+        await asyncio.sleep(0.001)  # added first: vLLM schedules in arrival order, so it has a token when the next has
+    streamed = vllm_engine.generate(prompts[0], params)
+    await anext(streamed)
+    await vllm_engine.update_weights(original, start + 1)
+    [out] = await asyncio.wait_for(whole, timeout=120)
+    await streamed.aclose()
+    assert len(out.versions) == 600 and out.versions == sorted(out.versions)
+    assert (out.versions[0], out.versions[-1]) == (start, start + 1)
+    assert vllm_engine.version_label_mismatches == 0

@@ -239,9 +239,11 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, whole: bool = False
     ) -> AsyncIterator[TokenChunk]:
-        """Stream the completions of ``prompt_ids`` as :class:`TokenChunk` deltas."""
+        """Stream the completions of ``prompt_ids`` as :class:`TokenChunk` deltas.
+        ``whole``: the caller only collects finished completions, so an engine may
+        send each once, finished (vLLM then skips its per-token outputs)."""
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Refuse prompts the model cannot take; cap ``max_tokens`` at the context end

@@ -109,7 +109,7 @@ class HFEngine(Engine):
         return len({row.request_id for row in self._waiting + self._active if not row.done})
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, whole: bool = False
     ) -> AsyncIterator[TokenChunk]:
         import torch
 

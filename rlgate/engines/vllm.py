@@ -156,7 +156,7 @@ class VLLMEngine(Engine):
     def running_requests(self) -> int:
         return len(self._running)
 
-    def _vllm_params(self, params: SamplingParams):
+    def _vllm_params(self, params: SamplingParams, whole: bool = False):
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -171,20 +171,21 @@ class VLLMEngine(Engine):
             seed=params.seed,
             logprobs=params.top_logprobs,
             ignore_eos=params.ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
+            # whole: one output per completion, when finished (its tokens' versions are vLLM's spans)
+            output_kind=RequestOutputKind.FINAL_ONLY if whole else RequestOutputKind.DELTA,
             # The gateway decodes text itself: vLLM's detokenizer (and its decoding of every
             # logprob's token) is needed only to match stop strings.
             detokenize=bool(params.stop),
         )
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, whole: bool = False
     ) -> AsyncIterator[TokenChunk]:
         from vllm.inputs import tokens_input
 
         params = self.check_request(prompt_ids, params)
         request_id = request_id or uuid.uuid4().hex
-        stream = self.llm.generate(tokens_input(list(prompt_ids)), self._vllm_params(params), request_id)
+        stream = self.llm.generate(tokens_input(list(prompt_ids)), self._vllm_params(params, whole), request_id)
         # A separate task drains vLLM's stream as soon as outputs arrive, so each
         # token is labelled with the version current when it was produced even
         # if our consumer is slow (vLLM merges unread deltas).
@@ -196,6 +197,8 @@ class VLLMEngine(Engine):
                 async for output in stream:
                     for completion in output.outputs:
                         chunk = self._to_chunk(completion, params.top_logprobs)
+                        if whole:  # finished: every token's version from vLLM's spans
+                            chunk.versions = self._span_versions(completion) or chunk.versions
                         emitted.setdefault(chunk.index, []).extend(chunk.versions)
                         if completion.finish_reason is not None:
                             self._check_versions(completion, emitted[chunk.index])
@@ -238,11 +241,15 @@ class VLLMEngine(Engine):
             stop_reason=completion.stop_reason,
         )
 
+    @staticmethod
+    def _span_versions(completion) -> list[int]:
+        """Each token's policy version by vLLM's own weight-version spans ([] without them)."""
+        return [int(span.version) for span in completion.weight_versions or [] for _ in range(span.start, span.end)]
+
     def _check_versions(self, completion, labels: list[int]) -> None:
         """Compare our labels with vLLM's own weight-version spans (authoritative)."""
-        spans = completion.weight_versions or []
-        truth = [int(span.version) for span in spans for _ in range(span.start, span.end)]
-        if spans and truth != labels:
+        truth = self._span_versions(completion)
+        if truth and truth != labels:
             self.version_label_mismatches += 1
             logger.warning("policy-version labels differ from vLLM's spans for one completion")
 

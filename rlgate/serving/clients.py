@@ -123,15 +123,16 @@ class LocalEngine:
     def __init__(self, engine: Engine, request_log: RequestLog | None = None) -> None:
         self.engine, self.request_log = engine, request_log or RequestLog(0)
 
-    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator:
+    async def stream(self, prompt_ids: list[int], params: SamplingParams, whole: bool = False) -> AsyncIterator:
+        chunks = self.engine.generate(prompt_ids, params, whole=whole)
         try:
-            async for chunk in self.request_log.tap(prompt_ids, params.n, self.engine.generate(prompt_ids, params)):
+            async for chunk in self.request_log.tap(prompt_ids, params.n, chunks):
                 yield chunk
         except EngineInputError as err:
             raise HTTPError(400, str(err)) from None
 
     async def generate_all(self, prompt_ids: list[int], params: SamplingParams) -> list:
-        return await collect(self.stream(prompt_ids, params), n=params.n)
+        return await collect(self.stream(prompt_ids, params, whole=True), n=params.n)
 
     async def health(self) -> dict:
         await self.engine.check_alive()

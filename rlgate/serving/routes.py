@@ -11,7 +11,7 @@ route, and the interactive pages are off.
 from __future__ import annotations
 
 from fastapi import FastAPI, Header, Query, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from rlgate import api, jobs
 from rlgate.serving.errors import install_error_handlers
@@ -116,7 +116,8 @@ def build_app(service: GatewayService, metrics: Metrics | None = None) -> FastAP
         answer = await service.chat(request, authorization)
         if request.stream:
             return StreamingResponse(answer, media_type="text/event-stream")
-        return answer
+        # serialised by pydantic in one call: FastAPI's jsonable_encoder walks the model in Python
+        return Response(answer.model_dump_json(), media_type="application/json")
 
     @app.get("/v1/models")
     @app.get("/models")
