@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 
 # Two tokens whose reference logprobs are this close are a near tie: which one
@@ -36,12 +37,12 @@ def assert_same_greedy(reference, prompt: list[int], a: list[int], b: list[int],
 
 def free_port(count: int = 1) -> int:
     """A loopback TCP port nothing listens on right now (with ``count``, the first
-    of that many in a row)."""
+    of that many in a row). Drawn from 20000-31999: above Ray's worker ports
+    (10002-19999) and below the kernel's ephemeral range, where any outgoing
+    connection (Ray starts hundreds) could take it before the server binds it."""
     while True:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            first = probe.getsockname()[1]
-        if first + count <= 65536 and all(_free(port) for port in range(first + 1, first + count)):
+        first = random.randrange(20000, 32000 - count)
+        if all(_free(port) for port in range(first, first + count)):
             return first
 
 
