@@ -91,7 +91,7 @@ class Gateway:
             self.slot = Slot(replica.rank.rank, settings.rollout.replicas)
             if self.slot.replicas > 1:
                 handle = partial(serve.get_deployment_handle, "Gateway", app_name=replica.app_name)
-                peers = Peers(handle, self.slot.index, self.slot.replicas)
+                peers = Peers(handle, self.slot)
             self.engine = make_engine(model_path, settings.rollout, settings.model.dtype, initial_version)
             await self.engine.ready()
             policy = get_or_create_policy_store(f"{run}-policy", NAMESPACE, initial_version)

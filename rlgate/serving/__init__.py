@@ -16,6 +16,7 @@
 * :mod:`~rlgate.serving.middleware`: the body limit, request metrics, access log and the
   direct listener's in-flight limit (pure ASGI).
 
-Only ``clients`` (Ray calls) and ``routing`` (Serve's router) import Ray. ``actors.gateway.Gateway`` is the Ray Serve
-deployment: it makes the clients and serves ``build_app``.
+Only ``clients`` (Ray calls) and ``routing`` (Serve's router) import Ray.
+``actors.gateway.Gateway`` is the Ray Serve deployment: it makes the clients
+and serves ``build_app``.
 """

@@ -20,6 +20,7 @@ from ray.serve.exceptions import BackPressureError
 from rlgate import api
 from rlgate.engines import Engine, RequestLog, SamplingParams, collect
 from rlgate.engines.base import EngineInputError
+from rlgate.serving.auth import Slot
 from rlgate.serving.errors import HTTPError, ServiceDown
 from rlgate.sessions import Parent, SessionError
 from rlgate.trajectory import Interaction
@@ -180,8 +181,8 @@ class Peers:
     """The other colocated Gateway replicas, reached through the deployment's own
     handle: its ``OwnerRouter`` takes a call with ``session_id=<slot>`` to that slot."""
 
-    def __init__(self, handle: Callable[[], object], slot: int, replicas: int) -> None:
-        self._handle, self.handle, self.slot, self.replicas = handle, None, slot, replicas
+    def __init__(self, handle: Callable[[], object], slot: Slot) -> None:
+        self._handle, self.handle, self.slot = handle, None, slot
 
     def _on(self, slot: int, method: str):
         self.handle = self.handle or self._handle()
@@ -197,10 +198,10 @@ class Peers:
             except Exception:  # a restarting or unreachable replica: counted as not answering
                 return None
 
-        answers = [own, *await asyncio.gather(*(ask(s) for s in range(self.replicas) if s != self.slot))]
-        answered = [a for a in answers if a is not None]
+        others = (ask(s) for s in range(self.slot.replicas) if s != self.slot.index)
+        answered = [a for a in [own, *await asyncio.gather(*others)] if a is not None]
         total = {key: sum(a.get(key, 0) for a in answered) for key in own}
-        return {**total, "replicas_answered": len(answered), "replicas": self.replicas}
+        return {**total, "replicas_answered": len(answered), "replicas": self.slot.replicas}
 
     async def start_session(
         self, owner: int, body: api.StartSessionRequest, base_url: str, authorization: str | None

@@ -40,14 +40,14 @@ from rlgate.serving.auth import key_slot
 HOOK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 HOOK = "rlgate.serving.routing.proxy_middlewares"
 ROUTER = "rlgate.serving.routing.OwnerRouter"
-_SCOPED = re.compile(r"/s/(rlg\d{1,4}-)")
+_SCOPED = re.compile(r"/s/rlg(\d{1,4})-")
 
 
 def request_slot(path: str, authorization: bytes | None) -> int | None:
     """The slot of the session key a request carries: in a scoped URL, else as its bearer token."""
     scoped = _SCOPED.search(path)
     if scoped:
-        return key_slot(scoped.group(1))
+        return int(scoped.group(1))
     if authorization:
         scheme, _, token = authorization.decode("latin-1").partition(" ")
         if scheme.lower() == "bearer":
