@@ -13,88 +13,136 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
+import logging
+import sqlite3
 from pathlib import Path
 
 import ray
 
+from rlgate.logfile import append_whole, cut_torn_tail, json_lines, open_log
 from rlgate.telemetry import Metrics
 
+logger = logging.getLogger(__name__)
+
 SEGMENT_BYTES = 64 * 2**20
-RECENT_SESSIONS = 100_000
 
 
 def last_seq(folder: str | Path) -> int:
     """The last sequence number written under ``folder`` (0 if none), read without
     touching the files (a store may be writing them)."""
     for segment in reversed(sorted(Path(folder).glob("part-*.jsonl"))):
-        data = segment.read_bytes()
-        lines = data[: data.rfind(b"\n") + 1].splitlines()  # complete lines only
-        if lines:
-            return json.loads(lines[-1])["seq"]
+        if seq := _tail_seq(segment.read_bytes()):
+            return seq
     return 0
+
+
+def _tail_seq(data: bytes) -> int:
+    """The seq of the last whole record in a segment's bytes (0 if none)."""
+    lines = data[: data.rfind(b"\n") + 1].splitlines()
+    for line in reversed(lines):
+        try:
+            seq = json.loads(line).get("seq")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(seq, int):
+            return seq
+    return 0
+
+
+class SavedSessions:
+    """Which sessions the log holds (session id -> the seq of its last record), in
+    SQLite beside the segments, so a session is saved once however long ago its
+    first save was. A cache of the log: records it does not cover yet (a crash
+    between a segment's fsync and the index's commit) are added from the
+    segments when the log opens, and an unreadable index is rebuilt from them."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.db = self._open()
+        except sqlite3.DatabaseError:
+            logger.warning("session index %s unreadable; rebuilding it from the segments", path)
+            for stale in path.parent.glob(path.name + "*"):
+                stale.unlink()
+            self.db = self._open()
+
+    def _open(self) -> sqlite3.Connection:
+        # Called from the store's worker threads, one at a time (the store's lock).
+        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=OFF")  # the segments are the durable copy
+        db.execute("CREATE TABLE IF NOT EXISTS saved (session_id TEXT PRIMARY KEY, seq INTEGER NOT NULL)")
+        db.execute("SELECT count(*) FROM saved").fetchone()  # reads every page header: a damaged file raises here
+        return db
+
+    def covered(self) -> int:
+        return self.db.execute("SELECT coalesce(max(seq), 0) FROM saved").fetchone()[0]
+
+    def holds(self, session_id: str) -> bool:
+        return self.db.execute("SELECT 1 FROM saved WHERE session_id = ?", (session_id,)).fetchone() is not None
+
+    def add(self, records: list[dict]) -> None:
+        rows = {r["session_id"]: r["seq"] for r in records if r.get("session_id") is not None}
+        with self.db:
+            self.db.executemany("INSERT OR REPLACE INTO saved VALUES (?, ?)", rows.items())
 
 
 class TrajectoryFiles:
     """The on-disk log: ``part-<first seq>.jsonl`` files, one JSON record per line,
-    each with a ``seq`` (1, 2, ...). Appends are flushed and fsync'd.
+    each with a ``seq`` (1, 2, ...). Appends are whole or not at all
+    (:func:`rlgate.logfile.append_whole`: a failed write is cut back) and
+    fsync'd; readers skip, and count in ``bad_lines``, a line that is not a record.
 
     A session is saved once: an export of a session the log already holds (a
     SessionStore that crashed after saving it, before noting so, ends it again)
-    is skipped. The log remembers the sessions of its last segment and of
-    everything appended since it was opened (:data:`RECENT_SESSIONS` at most)."""
+    is skipped, whichever segment holds it (:class:`SavedSessions`)."""
 
     def __init__(self, folder: str | Path, segment_bytes: int = SEGMENT_BYTES) -> None:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.segment_bytes = segment_bytes
+        self.bad_lines = 0
+        self.opener = open  # how segments are opened for appends (a test swaps in a disk that fills up)
         self.last_seq = 0
         for path in self.segments():
             self.last_seq = max(self.last_seq, self._recover(path))
-        self.recent: dict[str, None] = {}  # session ids, oldest first
-        for path in self.segments()[-1:]:
-            with open(path, encoding="utf-8") as handle:
-                self._remember(json.loads(line).get("session_id") for line in handle)
+        self.saved = SavedSessions(self.folder / "sessions.sqlite")
+        covered = self.saved.covered()
+        while covered < self.last_seq and (missing := self.read(covered, 10_000)):
+            self.saved.add(missing)
+            covered = missing[-1]["seq"]
 
     def segments(self) -> list[Path]:
         return sorted(self.folder.glob("part-*.jsonl"))
 
+    def _bad(self, line: str) -> None:
+        self.bad_lines += 1
+        logger.warning("trajectories: skipped a line that is not a record: %.200s", line)
+
     def _recover(self, path: Path) -> int:
         """Last sequence number in a segment; a torn last line (a crash during a
         write that was never acknowledged) is cut off."""
-        data = path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            data = data[: data.rfind(b"\n") + 1]
-            with open(path, "r+b") as handle:
-                handle.truncate(len(data))
-        lines = data.splitlines()
-        return json.loads(lines[-1])["seq"] if lines else 0
-
-    def _remember(self, session_ids) -> None:
-        for session_id in session_ids:
-            self.recent[session_id] = None
-        while len(self.recent) > RECENT_SESSIONS:
-            del self.recent[next(iter(self.recent))]
+        with open(path, "r+b") as handle:
+            cut_torn_tail(handle.fileno())
+        return _tail_seq(path.read_bytes())
 
     def append(self, records: list[dict]) -> list[int]:
         """Save records (one session's export); [] if that session is saved already."""
-        if records and records[0].get("session_id") is not None and records[0]["session_id"] in self.recent:
+        if not records:
+            return []
+        if records[0].get("session_id") is not None and self.saved.holds(records[0]["session_id"]):
             return []
         segments = self.segments()
         path = segments[-1] if segments else None
         if path is None or path.stat().st_size >= self.segment_bytes:
             path = self.folder / f"part-{self.last_seq + 1:012d}.jsonl"
         seqs = list(range(self.last_seq + 1, self.last_seq + 1 + len(records)))
-        lines = "".join(
-            json.dumps({"seq": seq, **record}) + "\n"
-            for seq, record in zip(seqs, records)  # ASCII: any str writes
-        )
-        with open(path, "a", encoding="utf-8") as handle:
-            handle.write(lines)
-            handle.flush()
-            os.fsync(handle.fileno())
-        self.last_seq = seqs[-1] if seqs else self.last_seq
-        self._remember(record.get("session_id") for record in records)
+        saved = [{"seq": seq, **record} for seq, record in zip(seqs, records)]
+        lines = "".join(json.dumps(record) + "\n" for record in saved)  # ASCII: any str writes
+        with open_log(path, self.opener) as handle:
+            append_whole(handle, lines.encode(), sync=True)
+        self.last_seq = seqs[-1]
+        self.saved.add(saved)
         return seqs
 
     def read(self, since: int, limit: int) -> list[dict]:
@@ -109,10 +157,10 @@ class TrajectoryFiles:
             if following is not None and following <= since + 1:
                 continue  # every record in this segment is older
             with open(path, encoding="utf-8") as handle:
-                for line in handle:
-                    if not line.endswith("\n"):
-                        break  # a write in progress
-                    record = json.loads(line)
+                for record in json_lines(handle, self._bad):
+                    if not isinstance(record.get("seq"), int):
+                        self._bad(json.dumps(record))
+                        continue
                     if record["seq"] > upto:
                         return out
                     if record["seq"] <= since:
@@ -141,4 +189,8 @@ class TrajectoryStore:
         return await asyncio.to_thread(self.files.read, since, limit)
 
     async def stats(self) -> dict:
-        return {"trajectories": self.files.last_seq, "folder": str(self.files.folder)}
+        return {
+            "trajectories": self.files.last_seq,
+            "folder": str(self.files.folder),
+            "bad_lines": self.files.bad_lines,  # lines readers skipped: not records (see the store's log)
+        }

@@ -3,8 +3,12 @@ resumes them instead of losing them.
 
 One JSON line per change: ``open`` (a session and its hashed key), ``record``
 (completions), ``rewards`` (the rewards of a session's completions after a
-``set_reward``), ``end`` (the session was exported, or dropped). Each line is
-flushed to the operating system before the call that made it returns: a
+``set_reward``), ``saving`` (its export is on its way to the TrajectoryStore:
+from here on the session takes no changes, since the save may reach the disk
+whatever its caller hears), ``end`` (the session was exported, or dropped).
+Each line is written to the operating system before the call that made it
+returns, whole or not at all (:func:`rlgate.logfile.append_whole`: a failed
+write is cut back and raised, so the change is refused, not half-noted): a
 killed process loses nothing; a machine that loses power may lose the last
 lines (the trajectories themselves are fsync'd by the TrajectoryStore).
 
@@ -21,6 +25,7 @@ import os
 import time
 from pathlib import Path
 
+from rlgate.logfile import append_whole, json_lines, open_log
 from rlgate.trajectory import Interaction, SessionTrajectory
 
 logger = logging.getLogger(__name__)
@@ -34,11 +39,11 @@ class SessionJournal:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.compact_bytes = compact_bytes
         self._compacted = 0  # the size the last compaction left
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open_log(self.path)
 
     def _write(self, entry: dict) -> None:
-        self._file.write(json.dumps(entry) + "\n")  # ASCII: any str Python holds (a lone surrogate too) writes
-        self._file.flush()
+        # ASCII: any str Python holds (a lone surrogate too) writes
+        append_whole(self._file, (json.dumps(entry) + "\n").encode())
 
     # --- changes -------------------------------------------------------------------
 
@@ -61,6 +66,9 @@ class SessionJournal:
     def rewarded(self, session) -> None:
         rewards = {i.id: i.reward for i in session.trajectory.interactions.values() if i.reward is not None}
         self._write({"op": "rewards", "id": session.id, "rewards": rewards})
+
+    def saving(self, session_id: str) -> None:
+        self._write({"op": "saving", "id": session_id})
 
     def ended(self, session_id: str, key_hash: str, at: float) -> None:
         self._write({"op": "end", "id": session_id, "key_hash": key_hash, "at": at})
@@ -93,6 +101,8 @@ class SessionJournal:
         elif op == "record" and session_id in sessions:
             for fields in entry["interactions"]:
                 sessions[session_id]["trajectory"].add(Interaction(**fields))
+        elif op == "saving" and session_id in sessions:
+            sessions[session_id]["save_failed"] = True  # whether it reached the disk is not known
         elif op == "rewards" and session_id in sessions:
             interactions = sessions[session_id]["trajectory"].interactions
             for interaction_id, reward in entry["rewards"].items():
@@ -107,37 +117,40 @@ class SessionJournal:
     def _entries(self):
         if not self.path.exists():
             return
+
+        def bad(line: str) -> None:
+            logger.warning("journal %s: skipped a line that is not a JSON object: %.200s", self.path, line)
+
         with open(self.path, encoding="utf-8") as handle:
-            for line in handle:
-                if not line.endswith("\n"):
-                    return  # torn: never acknowledged
-                try:
-                    yield json.loads(line)
-                except ValueError:
-                    logger.warning("journal %s: skipped a line that is not JSON: %.200s", self.path, line)
+            yield from json_lines(handle, bad)  # up to a torn last line: never acknowledged
 
     def compact(self, sessions, ended: dict[str, float]) -> None:
         """Rewrite the journal as just ``sessions`` (live Session objects) and the
-        ``ended`` keys, atomically."""
+        ``ended`` keys, atomically; on an error the journal stays as it was."""
         temporary = self.path.with_suffix(".tmp")
-        with open(temporary, "w", encoding="utf-8") as out:
-            cutoff = time.time() - ENDED_MEMORY_S
-            for key_hash, at in ended.items():
-                if at >= cutoff:
-                    out.write(json.dumps({"op": "ended", "key_hash": key_hash, "at": at}) + "\n")
-            self._file, previous = out, self._file
-            try:
+        temporary.unlink(missing_ok=True)
+        previous = self._file
+        try:
+            with open_log(temporary) as self._file:
+                cutoff = time.time() - ENDED_MEMORY_S
+                for key_hash, at in ended.items():
+                    if at >= cutoff:
+                        self._write({"op": "ended", "key_hash": key_hash, "at": at})
                 for session in sessions:
                     self.opened(session)
                     if session.trajectory.interactions:
                         self.recorded(session.id, list(session.trajectory.interactions.values()))
-            finally:
-                self._file = previous
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temporary, self.path)
+                    if session.ending or session.save_failed:  # an export may be on the disk already
+                        self.saving(session.id)
+                os.fsync(self._file.fileno())
+            os.replace(temporary, self.path)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+        finally:
+            self._file = previous
         self._file.close()
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open_log(self.path)
         self._compacted = self._file.tell()
 
     def too_big(self) -> bool:

@@ -129,11 +129,15 @@ class SessionManager:
                 created_at=fields["created_at"],
                 group_size=fields["group_size"],
                 train=fields["train"],
+                save_failed=fields.get("save_failed", False),
             )
             self.sessions[session.id] = session
             self._by_key[session.key_hash] = session.id
         self._ended.update(ended)
-        self.journal.compact(self.sessions.values(), self._ended)
+        try:
+            self.journal.compact(self.sessions.values(), self._ended)
+        except OSError:  # the journal as it is replays the same: go on, compact later
+            logger.exception("could not compact the session journal %s", self.journal.path)
         return sum(s.train for s in self.sessions.values())
 
     # --- lifecycle ----------------------------------------------------------
@@ -164,7 +168,7 @@ class SessionManager:
                 if wait_s > 0:
                     message = f"no capacity for a new session within {wait_s:g} s; retry later"
                 raise SessionError(429, message, self.retry_after_s)
-            return self._open(task_id, key_hash, group_size)
+            return await self._open_holding(task_id, key_hash, group_size)
         if refresh_key_hash in self._refreshing or refresh_key_hash in self._closing:
             raise SessionError(409, "this key is already being refreshed by another request")
         if refresh_key_hash not in self._by_key and refresh_key_hash not in self._ended:
@@ -182,22 +186,42 @@ class SessionManager:
                     f"one came within {self.refresh_timeout_s:g} s; retry start_session with the same api_key",
                     self.retry_after_s,
                 )
+            session_id = await self._open_holding(task_id, refresh_key_hash, group_size)
             self._ended.pop(refresh_key_hash, None)
-            return self._open(task_id, refresh_key_hash, group_size)
+            return session_id
         finally:
             self._refreshing.discard(refresh_key_hash)
+
+    async def _open_holding(self, task_id: str, key_hash: str, group_size: int | None) -> str:
+        """Open a session in the capacity slot just acquired; the slot goes back if it cannot open."""
+        try:
+            return self._open(task_id, key_hash, group_size)
+        except SessionError:
+            await self.capacity.release(accepted=False)
+            raise
 
     def _open(self, task_id: str, key_hash: str, group_size: int | None = None, train: bool = True) -> str:
         session_id = "sess-" + secrets.token_hex(12)
         trajectory = SessionTrajectory(session_id, task_id)
-        self.sessions[session_id] = Session(
-            session_id, task_id, key_hash, trajectory, group_size=group_size, train=train
-        )
+        session = Session(session_id, task_id, key_hash, trajectory, group_size=group_size, train=train)
+        self._journal("start the session", lambda journal: journal.opened(session))
+        self.sessions[session_id] = session
         self._by_key[key_hash] = session_id
         self.counters["started"] += 1
-        if self.journal is not None:
-            self.journal.opened(self.sessions[session_id])
         return session_id
+
+    def _journal(self, change: str, write: Callable[[SessionJournal], None]) -> None:
+        """Note a change in the journal before it is made; a failed write (a full
+        disk) refuses the change with a 503, and the journal is as it was."""
+        if self.journal is None:
+            return
+        try:
+            write(self.journal)
+        except OSError as err:
+            logger.exception("could not write the session journal %s", self.journal.path)
+            raise SessionError(
+                503, f"could not {change}: the session journal cannot be written ({err}); nothing changed, retry"
+            ) from err
 
     async def end(self, key_hash: str, failed: bool = False) -> int:
         """End the key's session; ``failed`` marks the episode as failed (nothing of it
@@ -229,7 +253,14 @@ class SessionManager:
         records = [{**vars(sample), **extra} for sample in samples]  # fields are flat: no deep copy
         try:
             if records:
+                # From here the save may reach the disk whatever this call hears: a restarted
+                # store must not take more turns into a session it may have saved already.
+                self._journal("save the session", lambda journal: journal.saving(session_id))
                 await self.persist(records)
+        except SessionError:
+            session.ending = False
+            self._by_key[session.key_hash] = session_id
+            raise
         except Exception as err:
             # Put back as it was, but closed to changes: the export may have reached the disk (the
             # store died before answering), and a retried end must export the same thing again.
@@ -327,10 +358,9 @@ class SessionManager:
             self.abandon(session_id)
             raise SessionError(409, "saving this session failed meanwhile; this completion was not recorded")
         try:
+            self._journal("record this completion", lambda journal: journal.recorded(session_id, interactions))
             for interaction in interactions:
                 session.trajectory.add(interaction)
-            if self.journal is not None:
-                self.journal.recorded(session_id, interactions)
         finally:
             self.abandon(session_id)
 
@@ -346,6 +376,8 @@ class SessionManager:
         self, key_hash: str, reward: float, interaction_id: str | None, turn_rewards: list[float] | None = None
     ) -> str:
         session = self._changeable(key_hash)
+        interactions = session.trajectory.interactions.values()
+        before = [(i, i.reward) for i in interactions]
         try:
             if turn_rewards is not None:
                 rewarded = session.trajectory.set_turn_rewards(turn_rewards, reward)
@@ -353,8 +385,12 @@ class SessionManager:
                 rewarded = session.trajectory.set_reward(reward, interaction_id)
         except LookupError as err:
             raise SessionError(404 if interaction_id else 409, str(err)) from None
-        if self.journal is not None:
-            self.journal.rewarded(session)
+        try:
+            self._journal("set the reward", lambda journal: journal.rewarded(session))
+        except SessionError:
+            for interaction, reward_before in before:
+                interaction.reward = reward_before
+            raise
         return rewarded
 
     def stats(self) -> dict:

@@ -69,3 +69,44 @@ def publish_perturbed(ray_session, store, model, version: int, replicas: int, sc
     ray_session.get(store.publish.remote(version, [ray_session.put(stepped.state_dict())]))
     assert ray_session.get(store.wait_served.remote(version, replicas, 120))
     return stepped
+
+
+class Disk:
+    """A filesystem with ``room`` bytes left, for files opened with
+    :meth:`open` or wrapped with :meth:`wrap`: a write past the room fails part
+    way, as on a full disk (the bytes that fit reach the file, then ENOSPC).
+    ``room = None`` is a disk with space to spare."""
+
+    def __init__(self, room: int | None) -> None:
+        self.room = room
+
+    def open(self, path, mode: str = "r", buffering: int = -1) -> DiskFile:
+        return DiskFile(open(path, mode, buffering=buffering), self)
+
+    def wrap(self, file) -> DiskFile:
+        return DiskFile(file, self)
+
+
+class DiskFile:
+    def __init__(self, file, disk: Disk) -> None:
+        self.file, self.disk = file, disk
+
+    def write(self, data) -> int:
+        import errno
+
+        if self.disk.room is None:
+            return self.file.write(data)
+        if self.disk.room <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written = self.file.write(bytes(data[: self.disk.room]))
+        self.disk.room -= written
+        return written
+
+    def __getattr__(self, name):  # everything else is the real file's
+        return getattr(self.file, name)
+
+    def __enter__(self) -> DiskFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()

@@ -115,6 +115,115 @@ def test_a_killed_trajectory_store_loses_nothing_and_saves_nothing_twice(faults,
     assert [r["seq"] for r in records] == list(range(before + 1, before + 4))
 
 
+def in_actor(ray_session, name: str, change):
+    """Run ``change(actor_instance)`` inside the run's named actor."""
+    import ray.cloudpickle
+
+    import tests.support
+
+    ray.cloudpickle.register_pickle_by_value(tests.support)  # the workers cannot import tests/
+    actor = ray_session.get_actor(f"rlgate-gw-faults-{name}", namespace="rlgate")
+    return ray_session.get(actor.__ray_call__.remote(change))
+
+
+def chat(app, key: str, content: str = "x") -> httpx.Response:
+    body = {"model": "tiny-random", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    return httpx.post(f"{app.url}/v1/chat/completions", json=body, headers=session(app, key), timeout=60)
+
+
+def test_a_disk_that_fills_during_a_save_corrupts_nothing(faults, ray_session):
+    """The TrajectoryStore's disk fills in the middle of a save: the end answers
+    503 and keeps the session, nothing of the failed write stays in the log, and
+    once there is space the retried end saves it, whole and once."""
+    from tests.support import Disk
+
+    app = faults
+    before = len(app.trajectories())
+    keys = [app.start_session(f"full{i}")["api_key"] for i in range(2)]
+    for key in keys:
+        assert chat(app, key).status_code == 200
+
+    def fill(store):
+        store.disk = Disk(room=100)  # part of the first line fits
+        store.files.opener = store.disk.open
+
+    in_actor(ray_session, "trajectories", fill)
+    refused = httpx.post(f"{app.url}/rl/end_session", headers=session(app, keys[0]))
+    assert refused.status_code == 503 and "could not save" in refused.json()["error"]["message"]
+    assert httpx.get(f"{app.url}/rl/trajectories", headers=app.admin).status_code == 200
+    in_actor(ray_session, "trajectories", lambda store: setattr(store.disk, "room", None))
+    for key in keys:
+        assert httpx.post(f"{app.url}/rl/end_session", headers=session(app, key)).status_code == 200
+    records = app.trajectories()[before:]
+    assert [r["task_id"] for r in records] == ["full0", "full1"]
+    assert [r["seq"] for r in records] == list(range(before + 1, before + 3))
+    assert in_actor(ray_session, "trajectories", lambda store: store.files.bad_lines) == 0
+
+
+def test_a_journal_on_a_full_disk_refuses_the_turn_and_loses_nothing(faults, ray_session):
+    """The SessionStore's disk fills: a turn that cannot be journaled answers 503
+    and changes nothing; with space again the session goes on, and a restart
+    replays every acknowledged turn (no fragment merges the next line away)."""
+    from tests.support import Disk
+
+    app = faults
+    key = app.start_session("journal-full")["api_key"]
+    assert chat(app, key, "one").status_code == 200
+
+    def fill(store):
+        journal = store.owned.manager.journal
+        store.disk = Disk(room=30)
+        journal._file = store.disk.wrap(journal._file)
+
+    in_actor(ray_session, "sessions", fill)
+    refused = chat(app, key, "two")
+    assert refused.status_code == 503 and "journal cannot be written" in refused.json()["error"]["message"]
+    in_actor(ray_session, "sessions", lambda store: setattr(store.disk, "room", None))
+    assert chat(app, key, "three").status_code == 200
+
+    kill_actor(ray_session, "sessions")
+    ended = retrying(lambda: httpx.post(f"{app.url}/rl/end_session", headers=session(app, key)))
+    assert ended.status_code == 200 and ended.json()["interaction_count"] == 2, ended.text
+    assert len([r for r in app.trajectories() if r["task_id"] == "journal-full"]) == 2  # a record per turn
+
+
+def test_a_session_saved_while_its_store_died_takes_no_more_turns(faults, ray_session):
+    """The SessionStore dies while its end's save is reaching the disk. Restarted,
+    it does not let the session take new turns (they would be lost: the save is
+    there already and a retried end is deduplicated), and the end saves it once."""
+    app = faults
+    key = app.start_session("saved-in-crash")["api_key"]
+    assert chat(app, key).status_code == 200
+
+    def slow_saves(store):
+        save = store.files.append
+
+        def append_then_stall(records):
+            seqs = save(records)
+            time.sleep(10)  # on disk; the answer is late
+            return seqs
+
+        store.files.append = append_then_stall
+
+    in_actor(ray_session, "trajectories", slow_saves)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        ending = pool.submit(httpx.post, f"{app.url}/rl/end_session", headers=session(app, key), timeout=60)
+        deadline = time.monotonic() + 30
+        while not [r for r in app.trajectories() if r["task_id"] == "saved-in-crash"]:
+            assert time.monotonic() < deadline, "the save did not reach the disk"
+            time.sleep(0.2)
+        kill_actor(ray_session, "sessions")
+        assert ending.result().status_code == 503
+    in_actor(ray_session, "trajectories", lambda store: vars(store.files).pop("append") and None)
+
+    turn = retrying(lambda: chat(app, key, "more"))
+    assert turn.status_code == 409 and "end_session again" in turn.json()["error"]["message"], turn.text
+    # (the store answers once its stalled save returns)
+    assert httpx.post(f"{app.url}/rl/end_session", headers=session(app, key), timeout=60).status_code == 200
+    saved = [r for r in app.trajectories() if r["task_id"] == "saved-in-crash"]
+    assert len(saved) == 1 and len(saved[0]["interaction_ids"]) == 1
+
+
 def replica_pid(app_name: str) -> int:
     [replica] = [
         p

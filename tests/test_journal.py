@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from rlgate.journal import SessionJournal
 from rlgate.sessions import SessionError, SessionManager
 from rlgate.trajectory import Interaction
+from tests.support import Disk
 
 
 class Slots:
@@ -127,3 +130,76 @@ def test_any_text_python_holds_is_journaled(tmp_path):
     assert restored.restore() == 1
     [session] = restored.sessions.values()
     assert session.task_id == "lone \ud800 surrogate"
+
+
+def test_a_journal_write_that_fails_refuses_the_change_and_leaves_the_journal_whole(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    journal = SessionJournal(path)
+    store = manager(journal, [])
+
+    async def run():
+        a = await store.start("task", "hash-a")
+        store.begin("hash-a", [])
+        store.record(a, [turn(0)])
+        parent = store.sessions[a].trajectory.interactions["c0"]
+        disk = Disk(room=10)  # the disk fills: a line starts, then ENOSPC
+        journal._file = disk.wrap(journal._file)
+        for change in (
+            lambda: store.record(a, [turn(1, parent)]),
+            lambda: store.set_reward("hash-a", 1.0, None),
+        ):
+            store.begin("hash-a", [])
+            with pytest.raises(SessionError) as refused:
+                change()
+            assert refused.value.status == 503 and "journal cannot be written" in refused.value.message
+        with pytest.raises(SessionError, match="journal cannot be written"):
+            await store.start("task", "hash-b")
+        # nothing changed: one turn, no reward, no session b, its capacity slot given back
+        assert len(store.sessions[a].trajectory) == 1 and parent.reward is None
+        assert "hash-b" not in store._by_key and store.capacity.running == 1
+        disk.room = None  # space again: the retried turn is noted whole after the failed one
+        store.begin("hash-a", [])
+        store.record(a, [turn(1, parent)])
+        return a
+
+    a = asyncio.run(run())
+    restored = manager(SessionJournal(path), [])
+    assert restored.restore() == 1
+    assert list(restored.sessions[a].trajectory.interactions) == ["c0", "c1"]
+
+
+def test_a_session_whose_save_was_under_way_takes_no_turns_after_a_restart(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    saved: list = []
+
+    async def saved_then_lost(records):  # the save reaches the disk, the answer does not
+        saved.extend(records)
+        raise ConnectionError("the TrajectoryStore died before answering")
+
+    first = SessionManager(Slots(), saved_then_lost, journal=SessionJournal(path))
+
+    async def before_the_crash():
+        a = await first.start("task", "hash-a")
+        first.begin("hash-a", [])
+        first.record(a, [turn(0)])
+        with pytest.raises(SessionError, match="could not save"):
+            await first.end("hash-a")
+        return a
+
+    a = asyncio.run(before_the_crash())
+    second = manager(SessionJournal(path), [])
+    assert second.restore() == 1 and second.sessions[a].save_failed
+    # it takes no new turns (they would be lost: the store holds its save already), only the end
+    for change in (lambda: second.begin("hash-a", []), lambda: second.set_reward("hash-a", 1.0, None)):
+        with pytest.raises(SessionError, match="call /rl/end_session again") as refused:
+            change()
+        assert refused.value.status == 409
+    # a compaction keeps that, and the retried end exports what was saved before, unchanged
+    second.journal.compact(second.sessions.values(), second._ended)
+    third = manager(SessionJournal(path), [])
+    assert third.restore() == 1 and third.sessions[a].save_failed
+    exported: list = []
+    third.persist = _collect(exported)
+    assert asyncio.run(third.end("hash-a")) == 1
+    unstamped = [{k: v for k, v in r.items() if k != "ended_at"} for r in exported + saved]
+    assert unstamped[:1] == unstamped[1:]

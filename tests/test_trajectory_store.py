@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from actors.trajectory_store import TrajectoryFiles
+from tests.support import Disk
 
 
 def session(name: str, n: int) -> list[dict]:
@@ -94,3 +97,61 @@ def test_text_python_can_hold_is_saved(tmp_path):
     assert files.append([{"session_id": "s", "task_id": "lone \ud800 surrogate", "text": "naïve ☃"}]) == [1]
     [record] = files.read(0, 10)
     assert record["task_id"] == "lone \ud800 surrogate" and record["text"] == "naïve ☃"
+
+
+def test_a_write_that_fails_part_way_leaves_no_fragment(tmp_path):
+    files = TrajectoryFiles(tmp_path)
+    files.append(session("a", 1))
+    before = files.segments()[-1].read_bytes()
+    disk = Disk(room=20)  # part of b's first line fits, then the disk is full
+    files.opener = disk.open
+    with pytest.raises(OSError, match="No space"):
+        files.append(session("b", 2))
+    assert files.segments()[-1].read_bytes() == before and files.last_seq == 1
+    disk.room = None  # space again: the retried save goes in whole, and everything reads
+    assert files.append(session("b", 2)) == [2, 3]
+    assert [r["session_id"] for r in files.read(0, 100)] == ["a", "b", "b"] and files.bad_lines == 0
+    assert TrajectoryFiles(tmp_path).last_seq == 3
+
+
+def test_a_fragment_left_behind_is_cut_before_the_next_append(tmp_path):
+    files = TrajectoryFiles(tmp_path)
+    files.append(session("a", 1))
+    with open(files.segments()[-1], "ab") as handle:
+        handle.write(b'{"seq": 2, "session_id": "b", "tu')  # a cut that failed too
+    assert files.append(session("c", 1)) == [2]
+    assert [r["session_id"] for r in files.read(0, 100)] == ["a", "c"] and files.bad_lines == 0
+
+
+def test_a_line_that_is_not_a_record_is_skipped_and_counted(tmp_path):
+    from actors.trajectory_store import last_seq
+
+    files = TrajectoryFiles(tmp_path)
+    files.append(session("a", 1))
+    with open(files.segments()[-1], "ab") as handle:
+        handle.write(b'{"seq": 2, "session_id": "b"{"seq": 2, "session_id": "c"}\n[1, 2]\n')  # merged lines
+    files.append(session("d", 1))
+    assert [r["session_id"] for r in files.read(0, 100)] == ["a", "d"] and files.bad_lines == 2
+    assert last_seq(tmp_path) == 2 and TrajectoryFiles(tmp_path).last_seq == 2
+
+
+def test_a_session_is_saved_once_whichever_segment_holds_it(tmp_path):
+    import sqlite3
+
+    files = TrajectoryFiles(tmp_path, segment_bytes=64)
+    for name in "abcd":
+        files.append(session(name, 2))
+    assert len(files.segments()) > 2
+    assert files.append(session("a", 2)) == []  # saved in the first segment
+    assert TrajectoryFiles(tmp_path, segment_bytes=64).append(session("a", 2)) == []  # and after a restart
+    # the index is a cache of the log: behind it (a crash between a segment's fsync and the
+    # index's commit), it catches up; damaged, it is rebuilt from the segments
+    index = tmp_path / "sessions.sqlite"
+    with sqlite3.connect(index) as db:
+        db.execute("DELETE FROM saved WHERE seq > 2")
+    assert TrajectoryFiles(tmp_path, segment_bytes=64).append(session("d", 2)) == []
+    for path in tmp_path.glob("sessions.sqlite*"):
+        path.unlink()
+    index.write_bytes(b"not a database " * 1000)
+    again = TrajectoryFiles(tmp_path, segment_bytes=64)
+    assert again.append(session("b", 2)) == [] and again.append(session("e", 1)) == [9]

@@ -1,0 +1,84 @@
+"""Append-only JSON-lines files that a failed write cannot corrupt.
+
+Both logs rlgate keeps, the TrajectoryStore's segments and the session
+journal, add whole lines per change. :func:`append_whole` writes them whole
+or not at all: a write that fails part way (a full disk, an I/O error) is cut
+back to where it began before the error reaches the caller, so the next
+change never runs into a fragment; and a file that somehow ends mid-line (a
+cut that failed too, a crash) is cut back to its last whole line before
+anything more is written to it. :func:`json_lines` reads such a file and
+skips, and reports, any line that is not a JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator
+
+logger = logging.getLogger(__name__)
+
+
+def open_log(path, opener: Callable = open):
+    """``path`` opened for :func:`append_whole`: binary, append (and read, to find
+    a torn tail), unbuffered (a buffered file would write a failed line's rest
+    again when closed)."""
+    return opener(path, "a+b", buffering=0)
+
+
+def append_whole(handle, data: bytes, sync: bool = False) -> None:
+    """Append ``data`` (whole lines) to ``handle`` (from :func:`open_log`), and
+    fsync it when ``sync``. On any error the file is cut back to its size before
+    the call, and the error is raised."""
+    fd = handle.fileno()
+    start = cut_torn_tail(fd)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[handle.write(view) :]
+        if sync:
+            os.fsync(fd)
+    except BaseException:
+        try:
+            os.ftruncate(fd, start)
+            os.fsync(fd)
+        except OSError:  # the next append cuts the fragment (cut_torn_tail)
+            logger.exception("could not cut a failed write back from %s", getattr(handle, "name", fd))
+        raise
+
+
+def cut_torn_tail(fd: int) -> int:
+    """Cut anything past the file's last newline; returns its size then."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return size
+    end = size
+    while end > 0:  # look back for the last newline, a block at a time
+        begin = max(0, end - 65536)
+        block = os.pread(fd, end - begin, begin)
+        newline = block.rfind(b"\n")
+        if newline >= 0:
+            end = begin + newline + 1
+            break
+        end = begin
+    logger.warning("cut %d bytes of a torn line from the end of a log (fd %d)", size - end, fd)
+    os.ftruncate(fd, end)
+    return end
+
+
+def json_lines(lines: Iterable[str], bad: Callable[[str], None]) -> Iterator[dict]:
+    """The JSON objects of ``lines``, up to the first line without its newline (a
+    write in progress, or torn); a whole line that is not a JSON object is
+    passed to ``bad`` and skipped."""
+    for line in lines:
+        if not line.endswith("\n"):
+            return
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            entry = None
+        if isinstance(entry, dict):
+            yield entry
+        else:
+            bad(line)
