@@ -25,6 +25,7 @@ from rlgate.telemetry import Metrics
 logger = logging.getLogger(__name__)
 
 SEGMENT_BYTES = 64 * 2**20
+READ_BYTES = 32 * 2**20  # most bytes of records one read returns (a session larger than that comes alone)
 
 
 def last_seq(folder: str | Path) -> int:
@@ -145,11 +146,13 @@ class TrajectoryFiles:
         self.saved.add(saved)
         return seqs
 
-    def read(self, since: int, limit: int) -> list[dict]:
-        """Records with ``seq > since``, oldest first: at most ``limit``, except that
-        a session's records (saved together, in one append) are never split
-        between reads, and an append still in progress is not read at all."""
+    def read(self, since: int, limit: int, max_bytes: int = READ_BYTES) -> list[dict]:
+        """Records with ``seq > since``, oldest first: at most ``limit`` of them and
+        ``max_bytes`` of their lines, except that a session's records (saved
+        together, in one append) are never split between reads (a read returns
+        at least one whole session), and an append still in progress is not read."""
         out: list[dict] = []
+        size = 0
         upto = self.last_seq  # set once an append is on disk
         segments = self.segments()
         firsts = [int(p.stem.split("-")[1]) for p in segments]
@@ -157,17 +160,19 @@ class TrajectoryFiles:
             if following is not None and following <= since + 1:
                 continue  # every record in this segment is older
             with open(path, encoding="utf-8") as handle:
-                for record in json_lines(handle, self._bad):
+                for line, record in json_lines(handle, self._bad):
                     if not isinstance(record.get("seq"), int):
-                        self._bad(json.dumps(record))
+                        self._bad(line)
                         continue
                     if record["seq"] > upto:
                         return out
                     if record["seq"] <= since:
                         continue
-                    if len(out) >= limit and record.get("session_id") != out[-1].get("session_id"):
+                    full = len(out) >= limit or size + len(line) > max_bytes
+                    if out and full and record.get("session_id") != out[-1].get("session_id"):
                         return out
                     out.append(record)
+                    size += len(line)
         return out
 
 

@@ -137,6 +137,18 @@ class GatewayConfig(_Section):
         "sends each session's requests to its owner. false: gateway replicas call the RolloutServer "
         "deployment and the run's SessionStore actor.",
     )
+    max_session_interactions: int = Field(
+        1024,
+        ge=1,
+        description="Most completions one session records (a choice of n counts as one each); past it a turn "
+        "answers 409: end the session and start a new one.",
+    )
+    max_session_tokens: int = Field(
+        1_048_576,
+        ge=1024,
+        description="Most tokens one session stores: each completion's prompt (once for its n choices) and its "
+        "tokens; past it a turn answers 413. Bounds what one key holder can make the session owner keep.",
+    )
     max_messages: int = Field(1024, ge=1, description="Most messages in one chat request.")
     max_n: int = Field(16, ge=1, le=128, description="Most choices per request.")
     max_completion_tokens: int = Field(

@@ -30,7 +30,14 @@ from rlgate.trajectory import Interaction, SessionTrajectory
 
 logger = logging.getLogger(__name__)
 COMPACT_BYTES = 64 * 2**20
+# Memory a replayed journal takes per byte of file, with room to spare (token ids and
+# logprobs as Python objects in lists: measured 4.4x for multi-turn chat sessions).
+REPLAY_EXPANSION = 8
 ENDED_MEMORY_S = 24 * 3600.0  # ended keys kept (for 410 answers) across a restart
+
+
+class JournalTooBig(Exception):
+    """The journal cannot be read back in the memory there is."""
 
 
 class SessionJournal:
@@ -61,7 +68,16 @@ class SessionJournal:
         )
 
     def recorded(self, session_id: str, interactions: list[Interaction]) -> None:
-        self._write({"op": "record", "id": session_id, "interactions": [vars(i) for i in interactions]})
+        # A prompt shared by several interactions (the n choices of one request) is written once.
+        prompts: list[list[int]] = []
+        at: dict[int, int] = {}
+        entries = []
+        for interaction in interactions:
+            index = at.setdefault(id(interaction.prompt_ids), len(prompts))
+            if index == len(prompts):
+                prompts.append(interaction.prompt_ids)
+            entries.append({**vars(interaction), "prompt_ids": index})
+        self._write({"op": "record", "id": session_id, "prompts": prompts, "interactions": entries})
 
     def rewarded(self, session) -> None:
         rewards = {i.id: i.reward for i in session.trajectory.interactions.values() if i.reward is not None}
@@ -75,10 +91,27 @@ class SessionJournal:
 
     # --- recovery ------------------------------------------------------------------
 
-    def replay(self) -> tuple[list[dict], dict[str, float]]:
+    def replay(self, available: int | None = None) -> tuple[list[dict], dict[str, float]]:
         """The sessions still open (each ``open`` entry's fields plus its
         ``trajectory``) and the keys ended within ``ENDED_MEMORY_S`` (key hash ->
-        when). A torn last line (the process died while writing it) is ignored."""
+        when). A torn last line (the process died while writing it) is ignored.
+
+        Raises :class:`JournalTooBig` when the journal would not fit in
+        ``available`` bytes of memory (default: what the machine has free) once
+        read: replaying it would kill the process, and its restart would again."""
+        size = self.path.stat().st_size if self.path.exists() else 0
+        if available is None:
+            import psutil
+
+            available = psutil.virtual_memory().available
+        if size * REPLAY_EXPANSION > available:
+            raise JournalTooBig(
+                f"the session journal {self.path} ({size / 2**20:.0f} MiB) is too big to read back in the "
+                f"{available / 2**20:.0f} MiB of memory free here (about {REPLAY_EXPANSION}x its size is needed): "
+                "its sessions are not served. Give this process more memory, or move the file away (its "
+                "sessions are then lost) and restart; [gateway] max_session_tokens and max_concurrent bound "
+                "how big it can grow"
+            )
         sessions: dict[str, dict] = {}
         ended: dict[str, float] = {}
         for entry in self._entries():
@@ -99,7 +132,10 @@ class SessionJournal:
             trajectory.created_at = entry["created_at"]
             sessions[session_id] = {**entry, "trajectory": trajectory}
         elif op == "record" and session_id in sessions:
+            prompts = entry.get("prompts")  # absent in journals written before prompts were shared
             for fields in entry["interactions"]:
+                if prompts is not None:
+                    fields["prompt_ids"] = prompts[fields["prompt_ids"]]  # shared again, as when recorded
                 sessions[session_id]["trajectory"].add(Interaction(**fields))
         elif op == "saving" and session_id in sessions:
             sessions[session_id]["save_failed"] = True  # whether it reached the disk is not known
@@ -122,7 +158,8 @@ class SessionJournal:
             logger.warning("journal %s: skipped a line that is not a JSON object: %.200s", self.path, line)
 
         with open(self.path, encoding="utf-8") as handle:
-            yield from json_lines(handle, bad)  # up to a torn last line: never acknowledged
+            for _, entry in json_lines(handle, bad):  # up to a torn last line: never acknowledged
+                yield entry
 
     def compact(self, sessions, ended: dict[str, float]) -> None:
         """Rewrite the journal as just ``sessions`` (live Session objects) and the

@@ -67,10 +67,10 @@ def cut_torn_tail(fd: int) -> int:
     return end
 
 
-def json_lines(lines: Iterable[str], bad: Callable[[str], None]) -> Iterator[dict]:
-    """The JSON objects of ``lines``, up to the first line without its newline (a
-    write in progress, or torn); a whole line that is not a JSON object is
-    passed to ``bad`` and skipped."""
+def json_lines(lines: Iterable[str], bad: Callable[[str], None]) -> Iterator[tuple[str, dict]]:
+    """Each line of ``lines`` that is a JSON object, with its object, up to the
+    first line without its newline (a write in progress, or torn); a whole line
+    that is not a JSON object is passed to ``bad`` and skipped."""
     for line in lines:
         if not line.endswith("\n"):
             return
@@ -79,6 +79,6 @@ def json_lines(lines: Iterable[str], bad: Callable[[str], None]) -> Iterator[dic
         except ValueError:
             entry = None
         if isinstance(entry, dict):
-            yield entry
+            yield line, entry
         else:
             bad(line)

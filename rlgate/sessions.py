@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from rlgate.journal import SessionJournal
+from rlgate.journal import JournalTooBig, SessionJournal
 from rlgate.trajectory import ExportStyle, Interaction, SessionTrajectory
 
 # A request still generating keeps its session from idling out, but no longer
@@ -65,6 +65,7 @@ class Session:
     requests: list[float] = field(default_factory=list)  # start times of requests in flight
     train: bool = True  # False: an evaluation session, never saved or trained on
     save_failed: bool = False  # an end could not confirm its save: only a retried end may follow
+    stored_tokens: int = 0  # prompt (once per request) and completion tokens of its interactions
 
     def busy(self, now: float) -> bool:
         return any(now - started < MAX_REQUEST_S for started in self.requests)
@@ -92,11 +93,16 @@ class SessionManager:
         refresh_timeout_s: float = 120.0,
         retry_after_s: float = 5.0,
         journal: SessionJournal | None = None,
+        max_interactions: int = 1024,
+        max_tokens: int = 1_048_576,
     ) -> None:
         self.capacity, self.persist, self.journal = capacity, persist, journal
         self.export_style, self.turn_discount = export_style, turn_discount
         self.session_timeout_s, self.refresh_timeout_s = session_timeout_s, refresh_timeout_s
         self.retry_after_s = retry_after_s
+        self.max_interactions, self.max_tokens = max_interactions, max_tokens
+        # Set when this owner cannot take its sessions back (see restore): every call answers 503 with it.
+        self.refusing: str | None = None
         self.sessions: dict[str, Session] = {}
         self._by_key: dict[str, str] = {}  # key hash -> live session id
         self._ended: dict[str, float] = {}  # key hash -> when its last session ended (for 410)
@@ -114,12 +120,19 @@ class SessionManager:
             "evaluated": 0,
         }
 
-    def restore(self) -> int:
+    def restore(self, available_memory: int | None = None) -> int:
         """Take back the journal's open sessions and ended keys (after a restart);
-        returns how many open training sessions hold a capacity slot."""
+        returns how many open training sessions hold a capacity slot. A journal
+        too big to read back in ``available_memory`` (default: what is free)
+        leaves this manager refusing every call with a 503 that says so."""
         if self.journal is None:
             return 0
-        sessions, ended = self.journal.replay()
+        try:
+            sessions, ended = self.journal.replay(available_memory)
+        except JournalTooBig as err:  # answered to every call, not a restart loop of running out of memory
+            logger.error("%s", err)
+            self.refusing = str(err)
+            return 0
         for fields in sessions:
             session = Session(
                 fields["id"],
@@ -130,6 +143,7 @@ class SessionManager:
                 group_size=fields["group_size"],
                 train=fields["train"],
                 save_failed=fields.get("save_failed", False),
+                stored_tokens=stored_tokens(fields["trajectory"].interactions.values()),
             )
             self.sessions[session.id] = session
             self._by_key[session.key_hash] = session.id
@@ -157,6 +171,8 @@ class SessionManager:
         new session may wait for capacity. ``train=False`` starts an evaluation
         session: it takes no capacity slot and nothing of it is saved or
         trained on. Returns the session id."""
+        if self.refusing:
+            raise SessionError(503, self.refusing)
         if not train:
             if refresh_key_hash is not None:
                 raise SessionError(400, "an evaluation session (train: false) starts with a new key, not a refresh")
@@ -319,6 +335,8 @@ class SessionManager:
     # --- requests within a session -------------------------------------------
 
     def _live(self, key_hash: str) -> Session:
+        if self.refusing:
+            raise SessionError(503, self.refusing)
         session_id = self._by_key.get(key_hash)
         if session_id is None:
             if key_hash in self._closing:
@@ -334,6 +352,7 @@ class SessionManager:
         """Authenticate a request and find the earlier exchange it continues.
         The request counts as in flight until ``record`` or ``abandon``."""
         session = self._changeable(key_hash)
+        self._within_limits(session, 0, 0)
         session.requests.append(time.monotonic())
         parent = session.trajectory.find(candidate_keys)
         if parent is None:
@@ -358,11 +377,34 @@ class SessionManager:
             self.abandon(session_id)
             raise SessionError(409, "saving this session failed meanwhile; this completion was not recorded")
         try:
+            tokens = stored_tokens(interactions)
+            self._within_limits(session, len(interactions), tokens)
             self._journal("record this completion", lambda journal: journal.recorded(session_id, interactions))
             for interaction in interactions:
                 session.trajectory.add(interaction)
+            session.stored_tokens += tokens
         finally:
             self.abandon(session_id)
+
+    def _within_limits(self, session: Session, interactions: int, tokens: int) -> None:
+        """Refuse a turn of a session that is full (``interactions == 0``: before it
+        is generated), or one whose completions would take it past a limit."""
+        held = len(session.trajectory)
+        limits = (
+            (409, held, interactions, self.max_interactions, "completions", "max_session_interactions"),
+            (413, session.stored_tokens, tokens, self.max_tokens, "stored tokens", "max_session_tokens"),
+        )
+        for status, held, adding, most, what, setting in limits:
+            if adding == 0 and held >= most:
+                problem = f"this session holds {held} {what}, the most [gateway] {setting} allows"
+            elif adding and held + adding > most:
+                problem = (
+                    f"this completion would take the session to {held + adding} {what}, past [gateway] "
+                    f"{setting} ({most}); it was not recorded"
+                )
+            else:
+                continue
+            raise SessionError(status, f"{problem}: end the session (its trajectory is saved) and start a new one")
 
     def abandon(self, session_id: str) -> None:
         """A request that ``begin`` admitted is over without a recorded completion."""
@@ -399,6 +441,14 @@ class SessionManager:
             "open_interactions": sum(len(s.trajectory) for s in self.sessions.values()),
             **self.counters,
         }
+
+
+def stored_tokens(interactions) -> int:
+    """Tokens that ``interactions`` hold: each prompt once (the choices of one
+    request share their prompt list), and every completion."""
+    interactions = list(interactions)
+    prompts = {id(i.prompt_ids): len(i.prompt_ids) for i in interactions}
+    return sum(prompts.values()) + sum(len(i.completion_ids) for i in interactions)
 
 
 def hash_key(key: str) -> str:

@@ -17,7 +17,13 @@ from tests.conftest import gateway_fixture
 SETTINGS = {
     "model": {"name": "tiny-random"},
     "rollout": {"max_model_len": 512, "kv_cache_gib": 0.25},
-    "gateway": {"max_concurrent": 2, "session_timeout_s": 6.0, "refresh_timeout_s": 1.0},
+    "gateway": {
+        "max_concurrent": 2,
+        "session_timeout_s": 6.0,
+        "refresh_timeout_s": 1.0,
+        "max_session_interactions": 6,
+        "max_session_tokens": 1024,
+    },
 }
 
 
@@ -101,6 +107,40 @@ def test_concurrent_refreshes_of_one_key_never_give_two_sessions(clean):
     assert open_sessions(clean) == 1  # exactly one live session for the key
     assert chat(clean, session["api_key"]).usage.completion_tokens > 0
     assert end(clean, session["api_key"]) == 200
+
+
+def test_a_session_cannot_grow_past_its_limits(clean, tiny_tokenizer):
+    """A key holder repeating a long prompt with many choices: the session stops
+    at its limits (409 for completions, 413 for stored tokens, naming the
+    setting), keeps nothing of a refused turn, and still ends and saves."""
+    content = "hello " * 10
+    while len(prompt_of(tiny_tokenizer, content)) < 400:  # ~400 tokens: three fill the 1024 of the limit
+        content += "hello " * 10
+    key = clean.start_session("t")["api_key"]
+    headers = {"Authorization": f"Bearer {key}"}
+
+    def turn(n: int) -> httpx.Response:
+        body = {"model": "tiny-random", "messages": [{"role": "user", "content": content}], "n": n, "max_tokens": 1}
+        return httpx.post(f"{clean.url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+
+    first = turn(4)
+    assert first.status_code == 200, first.text
+    prompt = first.json()["usage"]["prompt_tokens"]
+    stored, held = prompt + 4, 4  # the prompt once for its four choices
+    refused = turn(4)  # 4 + 4 completions > 6
+    assert refused.status_code == 409 and "max_session_interactions (6)" in refused.json()["error"]["message"]
+    while stored + prompt + 1 <= 1024:
+        assert turn(1).status_code == 200
+        stored, held = stored + prompt + 1, held + 1
+    refused = turn(1)
+    assert refused.status_code == 413 and "max_session_tokens (1024)" in refused.json()["error"]["message"]
+    ended = httpx.post(f"{clean.url}/rl/end_session", headers=headers)
+    assert ended.status_code == 200 and ended.json()["interaction_count"] == held
+
+
+def prompt_of(tokenizer, content: str) -> list[int]:
+    messages = [{"role": "user", "content": content}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
 
 
 def test_idle_sessions_are_ended_and_exported(clean):

@@ -203,3 +203,67 @@ def test_a_session_whose_save_was_under_way_takes_no_turns_after_a_restart(tmp_p
     assert asyncio.run(third.end("hash-a")) == 1
     unstamped = [{k: v for k, v in r.items() if k != "ended_at"} for r in exported + saved]
     assert unstamped[:1] == unstamped[1:]
+
+
+def test_the_choices_of_one_request_store_their_prompt_once(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    store = manager(SessionJournal(path), [])
+    prompt = list(range(1000, 1400))
+    choices = [Interaction(f"c{i}", prompt, [7, i], [-0.5, -0.25], [0, 0], "stop") for i in range(8)]
+
+    async def run():
+        a = await store.start("task", "hash-a")
+        store.begin("hash-a", [])
+        store.record(a, choices)
+        return a
+
+    a = asyncio.run(run())
+    assert store.sessions[a].stored_tokens == 400 + 8 * 2
+    assert path.read_text().count("1399") == 1  # the prompt once, not eight times
+    restored = manager(SessionJournal(path), [])
+    restored.restore()
+    again = list(restored.sessions[a].trajectory.interactions.values())
+    assert [i.prompt_ids for i in again] == [prompt] * 8 and len({id(i.prompt_ids) for i in again}) == 1
+    assert restored.sessions[a].stored_tokens == 416
+
+
+def test_a_session_stops_growing_at_its_limits(tmp_path):
+    store = SessionManager(Slots(), _collect([]), max_interactions=3, max_tokens=2000)
+
+    async def run():
+        a = await store.start("task", "hash-a")
+        store.begin("hash-a", [])
+        store.record(a, [turn(0), turn(1)])
+        store.begin("hash-a", [])
+        with pytest.raises(SessionError) as refused:  # 2 + 2 > 3 completions
+            store.record(a, [turn(2), turn(3)])
+        assert refused.value.status == 409 and "max_session_interactions (3)" in refused.value.message
+        assert len(store.sessions[a].trajectory) == 2  # nothing of the refused turn was kept
+        store.begin("hash-a", [])
+        long = Interaction("c9", list(range(2000)), [1], [-0.1], [0], "stop")
+        with pytest.raises(SessionError) as refused:
+            store.record(a, [long])
+        assert refused.value.status == 413 and "max_session_tokens (2000)" in refused.value.message
+        store.begin("hash-a", [])
+        store.record(a, [turn(4)])
+        with pytest.raises(SessionError) as full:  # full: refused before anything is generated
+            store.begin("hash-a", [])
+        assert full.value.status == 409 and "holds 3 completions" in full.value.message
+        assert await store.end("hash-a") == 3  # and it ends and saves as usual
+
+    asyncio.run(run())
+
+
+def test_a_journal_too_big_to_read_back_is_a_clear_error_not_a_restart_loop(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    first = manager(SessionJournal(path), [])
+    asyncio.run(first.start("task", "hash-a"))
+    size = path.stat().st_size
+    again = manager(SessionJournal(path), [])
+    assert again.restore(available_memory=size * 2) == 0  # would not fit: nothing read, nothing raised
+    for call in (lambda: asyncio.run(again.start("task", "hash-b")), lambda: again.check("hash-a")):
+        with pytest.raises(SessionError) as refused:
+            call()
+        assert refused.value.status == 503 and "too big to read back" in refused.value.message
+        assert str(path) in refused.value.message and "move the file away" in refused.value.message
+    assert path.stat().st_size == size  # the journal is left as it was for the operator

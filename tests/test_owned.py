@@ -24,6 +24,8 @@ SETTINGS = {
     "session_timeout_s": 3600.0,
     "refresh_timeout_s": 1.0,
     "run_name": "owned-test",
+    "max_session_interactions": 1024,
+    "max_session_tokens": 1_048_576,
 }
 
 

@@ -155,3 +155,13 @@ def test_a_session_is_saved_once_whichever_segment_holds_it(tmp_path):
     index.write_bytes(b"not a database " * 1000)
     again = TrajectoryFiles(tmp_path, segment_bytes=64)
     assert again.append(session("b", 2)) == [] and again.append(session("e", 1)) == [9]
+
+
+def test_a_read_is_bounded_by_bytes_but_never_splits_a_session(tmp_path):
+    files = TrajectoryFiles(tmp_path)
+    for name in "abc":
+        files.append([{"session_id": name, "pad": "x" * 1000}] * 2)
+    # ~1 KiB a record: 2.5 KiB lets a in, and b would split, so b waits
+    assert [r["session_id"] for r in files.read(0, 100, max_bytes=2500)] == ["a", "a"]
+    assert [r["session_id"] for r in files.read(0, 100, max_bytes=100)] == ["a", "a"]  # one session at least
+    assert len(files.read(0, 100, max_bytes=10_000)) == 6

@@ -81,6 +81,8 @@ class OwnedSessions(LocalSessions):
                 session_timeout_s=settings["session_timeout_s"],
                 refresh_timeout_s=settings["refresh_timeout_s"],
                 journal=SessionJournal(journal_path),
+                max_interactions=settings["max_session_interactions"],
+                max_tokens=settings["max_session_tokens"],
             )
         )
         reconcile(self.manager.restore())
