@@ -127,3 +127,42 @@ def test_the_serving_path_imports_without_ray():
     check = f"import sys, {modules}; print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))"
     found = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
     assert found.stdout.strip() == "[]", found.stdout
+
+
+async def test_a_stream_whose_client_is_gone_before_its_first_chunk_leaves_nothing_in_flight(served):
+    """The client goes away while the response starts (its first send fails): the
+    stream never runs, yet the request is no longer counted in its session (it
+    would keep the session from idling out for 15 minutes)."""
+    import json
+
+    http, manager, _ = served
+    key = await start(http)
+    app = http._transport.app
+    body = {"model": "tiny-random", "messages": [{"role": "user", "content": "x"}], "max_tokens": 64, "stream": True}
+    incoming = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"authorization", f"Bearer {key}".encode()), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("gateway", 80),
+    }
+
+    async def receive():
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            raise OSError("the client is gone")
+
+    with pytest.raises(Exception):  # noqa: B017 - whichever error the server stack turns it into
+        await app(scope, receive, send)
+    [session] = manager.sessions.values()
+    assert session.requests == [] and len(session.trajectory) == 0

@@ -20,6 +20,18 @@ from rlgate.serving.service import GatewayService
 from rlgate.telemetry import Metrics
 
 
+class ClosingStream(StreamingResponse):
+    """A streaming response that closes its body however it ends: sent whole, the
+    client gone mid-stream, or gone before the first chunk (when Starlette never
+    starts the body, and would not close it)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 def build_app(service: GatewayService, metrics: Metrics | None = None) -> FastAPI:
     gateway = service.settings.gateway
     app = FastAPI(
@@ -115,7 +127,7 @@ def build_app(service: GatewayService, metrics: Metrics | None = None) -> FastAP
     async def chat(request: api.ChatCompletionRequest, authorization: str | None):
         answer = await service.chat(request, authorization)
         if request.stream:
-            return StreamingResponse(answer, media_type="text/event-stream")
+            return ClosingStream(answer, media_type="text/event-stream")
         # serialised by pydantic in one call: FastAPI's jsonable_encoder walks the model in Python
         return Response(answer.model_dump_json(), media_type="application/json")
 

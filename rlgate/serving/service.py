@@ -15,6 +15,7 @@ import asyncio
 import json
 import secrets
 import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from openai.types import Completion, CompletionChoice, CompletionUsage, Model
@@ -27,7 +28,7 @@ from rlgate.engines import SamplingParams
 from rlgate.openai_format import TokenText, visible_text
 from rlgate.serving.auth import Auth, bearer
 from rlgate.serving.errors import HTTPError, error_response
-from rlgate.serving.turns import Turn, chain, choice_id
+from rlgate.serving.turns import Turn, TurnStream, chain, choice_id
 from rlgate.sessions import hash_key, new_session_key
 from rlgate.toolcalls import detect_parser, get_parser
 from rlgate.trajectory import Interaction
@@ -192,10 +193,10 @@ class GatewayService:
                 400, f"the prompt has {len(prompt_ids)} tokens; the model's context holds {context}", param="messages"
             )
 
-    async def _started(self, prompt_ids: list[int], params: SamplingParams):
-        """The engine's chunks, once it has produced the first: a refusal before
+    @staticmethod
+    async def _started(chunks: AsyncIterator):
+        """The engine's ``chunks``, once it has produced the first: a refusal before
         that (saturated, down) is still a status code."""
-        chunks = self.engine.stream(prompt_ids, params)
         try:
             return chain([await anext(chunks)], chunks)
         except StopAsyncIteration:
@@ -239,9 +240,10 @@ class GatewayService:
             use_tools = self.tool_parser is not None and tools is not None and request.tool_choice != "none"
             turn = Turn(self, request, params, session_id, prompt_ids, parent_id, keys[-1], use_tools)
             if request.stream:
-                chunks = await self._started(prompt_ids, params)
+                chunks = self.engine.stream(prompt_ids, params)
+                started = await self._started(chunks)
                 streaming = True  # the stream owns the turn now
-                return turn.stream(params, chunks)
+                return TurnStream(turn, turn.stream(params, started), chunks)
             return await turn.complete(params)
         finally:
             if not streaming and (turn is None or not turn.recorded):

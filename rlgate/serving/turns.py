@@ -46,6 +46,28 @@ def choice_id(completion_id: str, index: int) -> str:
     return completion_id if index == 0 else f"{completion_id}-{index}"
 
 
+class TurnStream:
+    """A streamed turn's server-sent events (``events``, made by :meth:`Turn.stream`
+    from the engine's ``chunks``) that can be closed whether or not they ever
+    started: a client gone while the response begins leaves a generator that
+    never ran, whose own ``finally`` would never run either. ``aclose`` stops the
+    engine's request and settles the turn in its session in any case
+    (``routes.ClosingStream`` calls it however the response ends)."""
+
+    def __init__(self, turn: Turn, events: AsyncIterator[str], chunks: AsyncIterator) -> None:
+        self.turn, self.events, self.chunks = turn, events, chunks
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self.events
+
+    async def aclose(self) -> None:
+        try:
+            await self.events.aclose()
+            await self.chunks.aclose()
+        finally:
+            self.turn.settle()
+
+
 class Turn:
     """One chat completion request: generate, shape the answer, record the interactions."""
 
@@ -58,6 +80,15 @@ class Turn:
         self.id = "chatcmpl-" + secrets.token_hex(12)
         self.created = int(time.time())
         self.recorded = False
+        self.settled = False  # recorded, or given back to the session (``settle``)
+
+    def settle(self) -> None:
+        """The request is over: unless it was recorded, it no longer counts as in
+        flight in its session. Idempotent: a stream settles from its own end and
+        from its response's."""
+        if not self.recorded and not self.settled:
+            self.g.sessions.abandon(self.session_id)
+        self.settled = True
 
     def _answer(self, text: str):
         """(content, tool calls) as returned to the client."""
@@ -216,5 +247,4 @@ class Turn:
         except (HTTPError, SessionError) as err:
             yield sse_error(err)
         finally:  # also when the client goes away mid-stream
-            if not self.recorded:
-                self.g.sessions.abandon(self.session_id)
+            self.settle()
