@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from rlgate.engines import SamplingParams, collect
+from tests.conftest import needs_vllm
 from tests.support import assert_same_greedy
 
 EOS = 2  # <|im_end|> in tiny-random
@@ -221,3 +222,53 @@ async def test_a_row_that_fails_fails_only_its_own_request(hf_engine, prompts, m
     assert len(failed) == 1 and "sampling failed for this row" in str(failed[0])
     assert all(len(r[0].token_ids) == 8 for r in results if not isinstance(r, BaseException))
     assert hf_engine.running_requests() == 0
+
+
+OWNER = """
+import asyncio, sys
+from rlgate.engines.vllm import VLLMEngine
+
+async def main():
+    engine = VLLMEngine(sys.argv[1], max_model_len=256, cpu_kv_cache_gib=0.25)
+    await engine.ready()
+    print("ready", flush=True)
+    await asyncio.sleep(3600)
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+@needs_vllm
+def test_a_killed_engine_owner_takes_its_vllm_processes_with_it(tiny_path, tmp_path):
+    """SIGKILL the process that owns a vLLM engine (as a crashed replica or `ray stop
+    --force` does): vLLM's engine core and worker processes end too, instead of
+    holding their memory and cores as orphans (rlgate.engines.reaper)."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    script = tmp_path / "owner.py"
+    script.write_text(OWNER)
+    owner = subprocess.Popen([sys.executable, str(script), str(tiny_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        lines = iter(owner.stdout.readline, "")  # vLLM logs on stdout too
+        assert "ready" in (line.strip() for line in lines), "the engine did not start"
+        engine = [p for p in psutil.Process(owner.pid).children(recursive=True) if "VLLM::" in " ".join(p.cmdline())]
+        assert len(engine) >= 2  # the engine core and its worker
+    finally:
+        owner.kill()
+        owner.wait()
+
+    def running(process: psutil.Process) -> bool:  # a zombie has ended (its new parent may never reap it)
+        try:
+            return process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + 120  # they go within seconds; the margin is for a loaded machine
+    while any(running(p) for p in engine) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [p.cmdline() for p in engine if running(p)]

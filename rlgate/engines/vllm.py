@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlgate.engines import reaper
 from rlgate.engines.base import (
     Engine,
     SamplingParams,
@@ -136,6 +137,7 @@ class VLLMEngine(Engine):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        os.environ[reaper.OWNER_ENV] = str(os.getpid())  # its processes end with this one (rlgate.engines.reaper)
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         await self._llm.update_weight_version(str(self.version))
 
