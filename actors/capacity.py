@@ -10,26 +10,44 @@ and by the trainer (``grant`` when it attaches, ``on_new_version`` after
 publishing weights, ``discard`` for sessions it dropped untrained, ``detach``
 when it leaves).
 Owns: the :class:`rlgate.capacity.CapacityRule`, the ``running`` (per holder), ``accepted``
-and ``rejected`` counters and the policy ``version``. The state lives in memory
-only: a restarted actor would not know which sessions are open.
+and ``rejected`` counters and the policy ``version``. Every change is written to
+``state_path`` (``<run>/capacity.json``, atomically) before the call that made
+it returns, and Ray restarts a killed actor in place, which reads it back. What
+it cannot know is which of the calls in flight at its death took effect, so a
+restarted actor refuses each holder's calls (:class:`HolderUnknown`) until that
+holder has told it how many sessions it holds (``reconcile``); holders do so
+on their own (:class:`CapacityClient`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import ray
 
 from rlgate.capacity import CapacityRule, CapacityStats, GroupReservations, free_slots
 from rlgate.telemetry import Metrics
 
+logger = logging.getLogger(__name__)
+
+
+class HolderUnknown(Exception):
+    """A restarted CapacityActor does not know this holder's count yet: reconcile first."""
+
 
 # num_cpus=0: pure bookkeeping; it must never wait for a CPU on a packed cluster.
-@ray.remote(num_cpus=0)
+# Restarted in place when killed (max_restarts=-1); calls in flight then fail, never replay.
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class CapacityActor:
-    def __init__(self, max_concurrent: int) -> None:
+    def __init__(self, max_concurrent: int, state_path: str | None = None) -> None:
+        self.state_path = Path(state_path) if state_path else None
         self.rule = CapacityRule(max_concurrent=max_concurrent)
         self.held: dict[str, int] = {}  # holder -> its open sessions
         self.accepted = 0
@@ -48,14 +66,63 @@ class CapacityActor:
         self.generations: dict[str, int] = {}
         # Notified on every change that can free a slot (release, new version, new settings).
         self._changed = asyncio.Condition()
+        # Holders whose count this actor does not know (after its restart), until they reconcile.
+        self.unknown: set[str] = set()
         name = (ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None) or "rlgate-capacity"
         self.metrics = Metrics(name.removeprefix("rlgate-").removesuffix("-capacity"))
+        restarted = ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+        if restarted and self.state_path is not None and self.state_path.exists():
+            self._load(json.loads(self.state_path.read_text()))
+            logger.warning("restarted: state read from %s; holders %s must reconcile", self.state_path, self.unknown)
+
+    # --- state on disk --------------------------------------------------------------
+
+    def _state(self) -> dict:
+        return {
+            "rule": asdict(self.rule),
+            "held": self.held,
+            "accepted": self.accepted,
+            "rejected": self.rejected,
+            "version": self.version,
+            "accepted_base": self.accepted_base,
+            "version_base": self.version_base,
+            "discarded": self.discarded,
+            "reservations": asdict(self.reservations),
+            "generations": self.generations,
+        }
+
+    def _load(self, state: dict) -> None:
+        self.rule = CapacityRule(**state["rule"])
+        self.held, self.generations = state["held"], state["generations"]
+        self.accepted, self.rejected, self.version = state["accepted"], state["rejected"], state["version"]
+        self.accepted_base, self.version_base = state["accepted_base"], state["version_base"]
+        self.discarded = state["discarded"]
+        reservations = state["reservations"]
+        reservations["pending"] = {task: tuple(held) for task, held in reservations["pending"].items()}
+        self.reservations = GroupReservations(**reservations)
+        self.unknown = set(self.held)
+
+    def _save(self) -> None:
+        if self.state_path is None:
+            return
+        temporary = self.state_path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(self._state()))
+        os.replace(temporary, self.state_path)  # a crash leaves the old state or the new, never half of one
+
+    def _known(self, holder: str) -> None:
+        if holder in self.unknown:
+            raise HolderUnknown(
+                f"the capacity actor restarted and does not know how many sessions holder {holder!r} holds; "
+                "reconcile first"
+            )
 
     @property
     def running(self) -> int:
         return sum(self.held.values())
 
     def _report(self) -> None:
+        """After every change: on disk first, then on the dashboard."""
+        self._save()
         self.metrics.set("rlgate_policy_version", self.version)
         self.metrics.set("rlgate_capacity_running", self.running)
         self.metrics.set("rlgate_capacity_free", self._free())
@@ -84,6 +151,7 @@ class CapacityActor:
         """
         if timeout_s < 0:
             raise ValueError(f"timeout_s must be >= 0 (got {timeout_s})")
+        self._known(holder)
         deadline, generation = time.monotonic() + timeout_s, self.generations.get(holder, 0)
         async with self._changed:
             # Reservations lapse with time, not with an event: look again at least every second.
@@ -109,8 +177,16 @@ class CapacityActor:
             self._report()
             return True
 
+    async def note_accepted(self, sessions: int) -> None:
+        """Count ``sessions`` as accepted whose release may have been lost with a
+        restart (a holder that cannot tell errs towards admitting fewer)."""
+        async with self._changed:
+            self.accepted += sessions
+            self._report()
+
     async def release(self, accepted: bool, holder: str = "") -> None:
         """A session of ``holder`` ended; ``accepted`` when its trajectory was finished and exported."""
+        self._known(holder)
         async with self._changed:
             if not self.held.get(holder):
                 raise ValueError(f"release without a running session of holder {holder!r} (it holds none)")
@@ -123,6 +199,7 @@ class CapacityActor:
         """``holder`` (re)started holding ``running`` open sessions: that is its count."""
         async with self._changed:
             self.held[holder], self.generations[holder] = running, self.generations.get(holder, 0) + 1
+            self.unknown.discard(holder)
             self._changed.notify_all()
             self._report()
 
@@ -192,12 +269,78 @@ class CapacityActor:
             self._report()
 
 
-def get_or_create_capacity(name: str, namespace: str | None, max_concurrent: int):
-    """The named detached CapacityActor, created with ``max_concurrent`` if it does not exist.
+_RESTARTED = object()  # what CapacityClient._call answers for a call the actor's restart swallowed
+
+
+class CapacityClient:
+    """A holder's side of the CapacityActor: the plain async interface
+    :class:`rlgate.sessions.SessionManager` expects (``acquire``, ``release``),
+    counted under ``holder``, and recovery from the actor's restart.
+
+    When a call finds the actor dead or restarted (the call failed, or it was
+    refused as :class:`HolderUnknown`), whether it took effect is unknown, so
+    the client waits for its other calls to settle, tells the actor how many
+    sessions the holder holds (``count()``, exact: a session is in it from the
+    moment its acquire returns until its release is sent) and goes on: an
+    acquire is made again, a release is then done (its accepted session noted
+    with ``note_accepted``, which at worst counts it twice and so admits fewer).
+    """
+
+    def __init__(self, actor, holder: str, count: Callable[[], int] = lambda: 0) -> None:
+        self.actor, self.holder, self.count = actor, holder, count
+        self._in_flight = 0
+        self._settled = asyncio.Condition()
+        self._recovering = asyncio.Lock()
+        self._lost = False
+
+    async def acquire(self, timeout_s: float = 0.0, task_id: str | None = None, group_size: int | None = None) -> bool:
+        while (granted := await self._call("acquire", timeout_s, task_id, group_size, self.holder)) is _RESTARTED:
+            pass
+        return granted
+
+    async def release(self, accepted: bool) -> None:
+        if await self._call("release", accepted, self.holder) is _RESTARTED and accepted:
+            await self.actor.note_accepted.remote(1)
+
+    def reconcile(self, running: int):
+        return self.actor.reconcile.remote(running, self.holder)
+
+    async def _call(self, method: str, *args):
+        """The call's answer; ``_RESTARTED`` when the actor restarted under it (the
+        holder has reconciled since)."""
+        from ray.exceptions import RayActorError
+
+        await self._recover()
+        self._in_flight += 1
+        try:
+            return await getattr(self.actor, method).remote(*args)
+        except (RayActorError, HolderUnknown) as err:
+            logger.warning("capacity %s for %s: the actor restarted (%s); reconciling", method, self.holder, err)
+            self._lost = True
+        finally:
+            self._in_flight -= 1
+            async with self._settled:
+                self._settled.notify_all()
+        await self._recover()
+        return _RESTARTED
+
+    async def _recover(self) -> None:
+        async with self._recovering:
+            if not self._lost:
+                return
+            async with self._settled:  # a call of ours applied after the count would count twice
+                await self._settled.wait_for(lambda: self._in_flight == 0)
+            await self.actor.reconcile.remote(self.count(), self.holder)
+            self._lost = False
+
+
+def get_or_create_capacity(name: str, namespace: str | None, max_concurrent: int, state_path: str | None = None):
+    """The named detached CapacityActor, created with ``max_concurrent`` if it does not
+    exist, keeping its state at ``state_path`` (read back only when Ray restarts it).
 
     An existing actor keeps its settings and counters; call ``set_max_concurrent``
     to change them.
     """
     return CapacityActor.options(name=name, namespace=namespace, lifetime="detached", get_if_exists=True).remote(
-        max_concurrent
+        max_concurrent, state_path
     )

@@ -80,7 +80,9 @@ class Gateway:
         settings = RLGateConfig.model_validate(config)
         gateway = settings.gateway
         run = f"rlgate-{gateway.run_name}"
-        capacity = get_or_create_capacity(f"{run}-capacity", NAMESPACE, gateway.max_concurrent)
+        capacity = get_or_create_capacity(
+            f"{run}-capacity", NAMESPACE, gateway.max_concurrent, str(Path(gateway.run_dir) / "capacity.json")
+        )
         trajectories = TrajectoryStore.options(
             name=f"{run}-trajectories", namespace=NAMESPACE, lifetime="detached", get_if_exists=True
         ).remote(gateway.run_dir)
@@ -116,7 +118,8 @@ class Gateway:
         def job_manager():
             where = {"host": gateway.host, "port": gateway.port}
             jobs_dir = str(Path(gateway.run_dir).parent / "jobs")
-            return get_or_create_job_manager(gateway.run_name, jobs_dir, where, gateway.max_running_jobs)
+            hosts = settings.jobs.task_app_hosts  # which task apps jobs may call: this gateway's operator says
+            return get_or_create_job_manager(gateway.run_name, jobs_dir, where, gateway.max_running_jobs, hosts)
 
         self.sessions = sessions
         self.service = GatewayService(

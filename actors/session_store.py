@@ -19,25 +19,10 @@ from pathlib import Path
 
 import ray
 
+from actors.capacity import CapacityClient
 from rlgate.serving.owned import OwnedSessions
 from rlgate.sessions import Parent
 from rlgate.trajectory import Interaction
-
-
-class _CapacityClient:
-    """The CapacityActor behind the plain async interface SessionManager expects."""
-
-    def __init__(self, actor, holder: str) -> None:
-        self.actor, self.holder = actor, holder
-
-    async def acquire(self, timeout_s: float = 0.0, task_id: str | None = None, group_size: int | None = None) -> bool:
-        return await self.actor.acquire.remote(timeout_s, task_id, group_size, self.holder)
-
-    async def release(self, accepted: bool) -> None:
-        await self.actor.release.remote(accepted, self.holder)
-
-    def reconcile(self, running: int):
-        return self.actor.reconcile.remote(running, self.holder)
 
 
 def owned_sessions(
@@ -49,8 +34,10 @@ def owned_sessions(
     async def persist(records: list[dict]) -> None:
         await trajectories.append.remote(records)
 
-    client = _CapacityClient(capacity, holder)
-    return OwnedSessions(client, persist, settings, journal_path, resume=resume, reconcile=client.reconcile)
+    client = CapacityClient(capacity, holder)
+    owned = OwnedSessions(client, persist, settings, journal_path, resume=resume, reconcile=client.reconcile)
+    client.count = owned.manager.held_slots
+    return owned
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)  # calls in flight at a crash fail (503), not replay

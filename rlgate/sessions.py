@@ -152,6 +152,11 @@ class SessionManager:
             self.journal.compact(self.sessions.values(), self._ended)
         except OSError:  # the journal as it is replays the same: go on, compact later
             logger.exception("could not compact the session journal %s", self.journal.path)
+        return self.held_slots()
+
+    def held_slots(self) -> int:
+        """Capacity slots the open sessions hold: one per training session, from
+        its acquire until its release (a session leaves ``sessions`` right before)."""
         return sum(s.train for s in self.sessions.values())
 
     # --- lifecycle ----------------------------------------------------------

@@ -380,3 +380,37 @@ async def test_holders_are_counted_apart_and_a_restart_recounts_only_its_own(mak
         await capacity.release.remote(accepted=True, holder="gateway-1")
     await capacity.release.remote(accepted=True, holder="gateway-0")
     assert (await capacity.stats.remote())["running"] == 1
+
+
+async def test_a_killed_capacity_actor_comes_back_with_its_state_and_holders_reconcile(tmp_path, ray_session):
+    """SIGKILL the CapacityActor: Ray restarts it in place, it reads its state back
+    (version, counts), refuses each holder until the holder has said how many
+    sessions it holds, and CapacityClient does that on its own: a release lost in
+    the crash leaves the count exact, and admission goes on up to the bound."""
+    import os
+    import signal
+
+    from actors.capacity import CapacityClient, HolderUnknown, get_or_create_capacity
+
+    actor = get_or_create_capacity(f"capacity-{uuid.uuid4().hex}", NAMESPACE, 3, str(tmp_path / "capacity.json"))
+    sessions: list[int] = []  # the open sessions of holder "store"
+    client = CapacityClient(actor, "store", count=lambda: len(sessions))
+    for session in range(2):
+        assert await client.acquire()
+        sessions.append(session)
+    assert await client.acquire()
+    await client.release(accepted=True)  # a release counts its session accepted once
+    assert (await actor.stats.remote())["accepted"] == 1
+    assert await actor.acquire.remote(0.0, None, None, "gateway-1")  # another holder's session
+    await actor.on_new_version.remote(4)
+
+    os.kill(await actor.__ray_call__.remote(lambda self: os.getpid()), signal.SIGKILL)
+    sessions.pop()  # a session of "store" ends while the actor is down: its release meets the restart
+    await client.release(accepted=True)
+    stats = await actor.stats.remote()
+    assert (stats["running"], stats["version"], stats["accepted"]) == (2, 4, 2)
+    with pytest.raises(HolderUnknown):  # "gateway-1" has not reconciled yet
+        await actor.acquire.remote(0.0, None, None, "gateway-1")
+    await actor.reconcile.remote(0, "gateway-1")  # its session ended meanwhile
+    assert [await client.acquire() for _ in range(3)] == [True, True, False]  # 1 + 2: the bound of 3 holds
+    ray_session.kill(actor)

@@ -224,6 +224,28 @@ def test_a_session_saved_while_its_store_died_takes_no_more_turns(faults, ray_se
     assert len(saved) == 1 and len(saved[0]["interaction_ids"]) == 1
 
 
+def test_a_killed_capacity_actor_comes_back_and_admission_stays_exact(faults, ray_session):
+    """SIGKILL the CapacityActor with sessions open: Ray restarts it from its state
+    file; the SessionStore reconciles its count on its next call, so a new session
+    starts, and the books (sessions open = slots held) agree throughout."""
+    app = faults
+
+    def books() -> tuple[int, int]:
+        status = httpx.get(f"{app.url}/rl/status", headers=app.admin, timeout=60).json()
+        return status["sessions"]["open_sessions"], status["capacity"]["running"]
+
+    before = books()
+    keys = [app.start_session(f"cap{i}")["api_key"] for i in range(2)]
+    kill_actor(ray_session, "capacity")
+    started = httpx.post(f"{app.url}/rl/start_session", json={"task_id": "cap2"}, headers=app.admin, timeout=60)
+    assert started.status_code == 200, started.text
+    keys.append(started.json()["api_key"])
+    assert books() == (before[0] + 3, before[1] + 3)
+    for key in keys:
+        assert httpx.post(f"{app.url}/rl/end_session", headers=session(app, key), timeout=60).status_code == 200
+    assert books() == before
+
+
 def replica_pid(app_name: str) -> int:
     [replica] = [
         p
