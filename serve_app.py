@@ -50,7 +50,7 @@ def is_loopback(host: str) -> bool:
 def admin_key(host: str) -> tuple[str, bool]:
     """The admin key and whether it was generated. Refuses a weak key off loopback."""
     key = os.environ.get("RLGATE_ADMIN_KEY")
-    if not key and os.environ.get("RLGATE_ADMIN_KEY_FILE"):  # how RL jobs get theirs (env vars are visible in Ray)
+    if not key and os.environ.get("RLGATE_ADMIN_KEY_FILE"):  # for `ray job submit`: Ray shows a job's env vars
         key = Path(os.environ["RLGATE_ADMIN_KEY_FILE"]).read_text().strip()
     if not key:
         return new_key("rlg-admin-"), True

@@ -35,7 +35,7 @@ from rlgate.loop import NAMESPACE, Trainer, collect, normaliser, score
 from rlgate.placement import cluster_nodes, plan, unplaceable, worker_bundle
 from rlgate.runlog import RunLog
 from rlgate.serving.routing import serve_start_options
-from rlgate.sessions import hash_key
+from rlgate.sessions import hash_key, new_key
 from rlgate.taskapp import TaskAppClient, TaskAppError, environment_key
 from rlgate.tasks import Episodes, builtin_episodes, evaluate, get_task, task_app_episodes
 from serve_app import admin_key, build_app, resolve_model
@@ -47,6 +47,11 @@ def main() -> int:
     parser.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
     parser.add_argument("--run-name", help="overrides [gateway] run_name (the run folder and actor names)")
     parser.add_argument("--run-dir", help="overrides [gateway] run_dir; give an absolute path under `ray job submit`")
+    parser.add_argument(
+        "--job-manager",
+        help="run as an RL job of this JobManager actor (it sets this): take the task app's key from it, "
+        "and keep the gateway's admin key to this process",
+    )
     args = parser.parse_args()
     try:
         config = load_config(args.config)
@@ -66,8 +71,9 @@ def main() -> int:
 
     if buffer_state is None:  # a fresh run trains on episodes that finish from now on, the first included
         buffer_state = {"watermark": last_seq(run_dir / "trajectories"), "done_above": []}
-    task_app = check_task_app(config)  # before anything starts: a bad task app fails the run at once
     ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE)
+    # before anything starts: a bad task app fails the run at once
+    task_app = check_task_app(config, task_app_key(args.job_manager, config.gateway.run_name))
     signal.signal(signal.SIGTERM, interrupted)  # after ray.init, which sets its own: `ray job stop` acts as Ctrl-C
     run = f"rlgate-{config.gateway.run_name}"
     gpus = trainer_gpus(config)
@@ -77,7 +83,7 @@ def main() -> int:
         raise SystemExit(f"rlgate: {problem}")
     if not args.resume:
         forget_earlier_run(run, run_dir)
-    url, key = serve_gateway(config, version)
+    url, key = serve_gateway(config, version, private=args.job_manager is not None)
     trajectories = ray.get_actor(f"{run}-trajectories", namespace=NAMESPACE)
     capacity = ray.get_actor(f"{run}-capacity", namespace=NAMESPACE)
     policy = ray.get_actor(f"{run}-policy", namespace=NAMESPACE)
@@ -137,7 +143,7 @@ def main() -> int:
                 step,
                 summarise(records, metrics, version, buffer, started, synced)
                 | {"collect_s": started - waited}
-                | evaluation(config, step, url, key),  # held-out seeds, every [evaluation] every_n_iters
+                | evaluation(config, step, url, key, task_app),  # held-out seeds, every [evaluation] every_n_iters
             )
             log.batch(step, [r["seq"] for r in records])
     except KeyboardInterrupt:
@@ -171,12 +177,13 @@ def app_name(config: RLGateConfig) -> str:
     return "rlgate" if config.gateway.route_prefix == "/" else f"rlgate-{config.gateway.run_name}"
 
 
-def serve_gateway(config: RLGateConfig, version: int) -> tuple[str, str]:
+def serve_gateway(config: RLGateConfig, version: int, private: bool = False) -> tuple[str, str]:
     """The gateway and rollout engines on Serve's HTTP proxy (one already running
-    keeps its own host and port); returns the URL and admin key."""
+    keeps its own host and port); returns the URL and admin key. ``private``: an
+    RL job's gateway, whose admin key this process makes and shows to no one."""
     gateway = config.gateway
     host, port, prefix = gateway.host, gateway.port, gateway.route_prefix
-    key, generated = admin_key(host)
+    key, generated = (new_key("rlg-admin-"), False) if private else admin_key(host)
     quiet = {"enable_access_log": False}  # a line per request would bury the progress bar
     if "access_log" not in gateway.model_fields_set:
         gateway.access_log = False
@@ -211,11 +218,29 @@ def direct_url(config: RLGateConfig, address: str) -> str | None:
     return url
 
 
-def check_task_app(config: RLGateConfig) -> TaskAppClient | None:
-    """The configured task app, once its /health and /task_info answer."""
+def task_app_key(job_manager: str | None, job_id: str) -> str | None:
+    """The task app's key: an RL job's JobManager holds it in memory and hands it
+    over once (a file or an environment variable would show it); a run started
+    by hand reads ``$ENVIRONMENT_API_KEY`` or the file ``$ENVIRONMENT_API_KEY_FILE``."""
+    if job_manager is None:
+        return environment_key()
+    try:
+        return ray.get(ray.get_actor(job_manager, namespace=NAMESPACE).take_task_app_key.remote(job_id))
+    except ValueError:  # no such actor: it died, and the key with it
+        raise SystemExit(
+            f"rlgate: failed to start: the JobManager {job_manager} that started this job is gone, and with it "
+            "the task app's key (kept in its memory only); submit the job again"
+        ) from None
+    except ray.exceptions.RayTaskError as err:
+        raise SystemExit(f"rlgate: failed to start: {err.cause}") from None
+
+
+def check_task_app(config: RLGateConfig, key: str | None) -> TaskAppClient | None:
+    """The configured task app, once its /health and /task_info answer. Every call
+    to it is checked against ``[jobs] task_app_hosts`` as it connects."""
     if config.services.task_url is None:
         return None
-    app = TaskAppClient(config.services.task_url, environment_key(), config.task.rollout_timeout_s)
+    app = TaskAppClient(config.services.task_url, key, config.task.rollout_timeout_s, config.jobs.allowlist())
     try:
         info = asyncio.run(app.check())
     except TaskAppError as err:
@@ -244,12 +269,12 @@ def start_episodes(
     )
 
 
-def evaluation(config: RLGateConfig, step: int, url: str, key: str) -> dict:
+def evaluation(config: RLGateConfig, step: int, url: str, key: str, task_app: TaskAppClient | None) -> dict:
     """Evaluate the current policy on the held-out seeds when due (task apps only)."""
     every, seeds = config.evaluation.every_n_iters, config.evaluation.seeds
-    if config.services.task_url is None or not every or not seeds or step % every:
+    if task_app is None or not every or not seeds or step % every:
         return {}
-    app = TaskAppClient(config.services.task_url, environment_key(), config.task.rollout_timeout_s)
+    app = task_app.copy()  # its own connections, in this thread's event loop
     _, run = task_app_episodes(app, config, config.served_model_name, f"{config.gateway.run_name}-eval", mode="eval")
     try:
         return asyncio.run(evaluate(url, key, run, seeds, config.task.max_concurrent))

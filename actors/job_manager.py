@@ -12,6 +12,15 @@ dashboard with its logs. Its driver serves its own gateway under
 ``/jobs/<id>`` on the cluster's Serve proxy. At most ``max_running`` jobs run
 at once; the rest wait as ``queued``. A watcher polls Ray's status and the
 run's ``metrics.jsonl`` once a second and turns them into events.
+
+A job's task app must be one the operator allows (``[jobs] task_app_hosts``,
+checked after DNS resolution: :mod:`rlgate.egress`); the job's config gets the
+operator's rule, which its driver checks again on every connection. Its
+secrets are never on disk: the task app's key stays in this actor's memory
+until the job's driver takes it (``train_driver.py --job-manager``) or the job
+ends, and the driver makes its gateway's admin key itself. A restart of this
+actor loses the keys of jobs whose drivers had not taken them yet; those jobs
+fail and say so.
 """
 
 from __future__ import annotations
@@ -29,20 +38,40 @@ import ray
 from pydantic import ValidationError
 
 from rlgate import jobs
-from rlgate.config import ConfigError, dump_config
+from rlgate.config import ConfigError, JobsConfig, dump_config
+from rlgate.egress import TargetRefused, check_url
 from rlgate.placement import cluster_nodes, plan, unplaceable
 from rlgate.sessions import SessionError, hash_key, new_key, same_secret
 
 ROOT = Path(__file__).resolve().parents[1]
+LOST_KEY = (
+    "the JobManager no longer holds this job's task app key (task_app_api_key): it is kept in memory only, "
+    "never on disk, and handed to the job's driver once, so a restart of the JobManager before the driver "
+    "took it lost it; submit the job again"
+)
 
 
 class JobManager:
-    def __init__(self, jobs_dir: str, gateway: dict, max_running: int = 1, python: str = sys.executable) -> None:
+    def __init__(
+        self,
+        jobs_dir: str,
+        gateway: dict,
+        max_running: int = 1,
+        task_app_hosts: list[str] | None = None,
+        name: str = "",
+        python: str = sys.executable,
+        client=None,
+    ) -> None:
+        """``name``: this actor's name, which a job's driver asks for its task app's
+        key; ``client``: Ray's job API (``JobSubmissionClient``; made on first use)."""
         self.dir = Path(jobs_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.gateway, self.max_running, self.python = gateway, max_running, python
+        self.gateway, self.max_running, self.name, self.python = gateway, max_running, name, python
+        self.set_task_app_hosts(task_app_hosts or [])
         self.jobs: dict[str, jobs.Job] = {}
         self.keys: dict[str, str] = {}  # job id -> hash of its API key
+        self.task_app_keys: dict[str, str] = {}  # job id -> its task app's key, until its driver takes it
+        self.keyed: set[str] = set()  # jobs given a task app key (on disk as a flag: a restart knows what it lost)
         self.idempotency: dict[str, str] = {}  # idempotency key -> job id
         self.events: dict[str, list[jobs.Event]] = {}
         self.seen_steps: dict[str, int] = {}
@@ -54,6 +83,9 @@ class JobManager:
             self.jobs[job.job_id], self.keys[job.job_id] = job, stored["key_hash"]
             if stored.get("idempotency_key"):
                 self.idempotency[stored["idempotency_key"]] = job.job_id
+            if stored.get("task_app_key"):
+                self.keyed.add(job.job_id)
+            self._adopt_secret_files(job)
             events = path.parent / "events.jsonl"
             lines = events.read_text().splitlines() if events.exists() else []
             self.events[job.job_id] = [jobs.Event.model_validate_json(line) for line in lines]
@@ -61,9 +93,18 @@ class JobManager:
                 (e.data.get("step", 0) for e in self.events[job.job_id] if e.type == "rl.iteration.complete"),
                 default=0,
             )
-        self._client = None
+        self._client = client
         self._watcher: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        for job in list(self.jobs.values()):  # a restart lost the keys of jobs that have not started
+            lost = job.job_id in self.keyed and job.job_id not in self.task_app_keys
+            if lost and job.status == "queued" and not self._submitted(job.job_id):
+                self._finish(job.job_id, "failed", LOST_KEY)
+
+    def set_task_app_hosts(self, task_app_hosts: list[str]) -> None:
+        """The operator's ``[jobs] task_app_hosts``: which task apps jobs may call. The
+        gateway sets it each time it reaches this actor, which may outlive its config."""
+        self.jobs_section = JobsConfig(task_app_hosts=task_app_hosts)
 
     # --- helpers --------------------------------------------------------------------
 
@@ -92,10 +133,23 @@ class JobManager:
             "job": self.jobs[job_id].model_dump(mode="json"),
             "key_hash": self.keys[job_id],
             "idempotency_key": idempotency_key or old.get("idempotency_key"),
+            "task_app_key": job_id in self.keyed,  # whether it was given one; the key itself is never written
         }
         temporary = path.with_suffix(".tmp")
         temporary.write_text(json.dumps(record))
         temporary.replace(path)  # a crash leaves the old record or the new one, never half of one
+
+    def _adopt_secret_files(self, job: jobs.Job) -> None:
+        """The secret files that versions before this one kept beside a job's records:
+        removed, and a task app key still to be used kept in memory instead."""
+        folder = self._folder(job.job_id)
+        (folder / "admin_key").unlink(missing_ok=True)
+        old = folder / "task_app_key"
+        if old.exists():
+            if job.status not in jobs.FINISHED:
+                self.task_app_keys[job.job_id] = old.read_text()
+                self.keyed.add(job.job_id)
+            old.unlink()
 
     def _event(self, job_id: str, kind: str, message: str, data: dict | None = None) -> None:
         events = self.events.setdefault(job_id, [])
@@ -130,6 +184,12 @@ class JobManager:
             raise SessionError(422, f"invalid job request: {problems}") from None
         except ConfigError as err:
             raise SessionError(422, f"invalid job config: {err}") from None
+        config.jobs = self.jobs_section.model_copy()  # the operator's rule, not the job's; its driver checks it too
+        if config.services.task_url is not None:
+            try:
+                await asyncio.to_thread(check_url, config.services.task_url, config.jobs.allowlist())
+            except TargetRefused as err:
+                raise SessionError(422, str(err)) from None  # names the host and the setting to change
         gpus = config.compute.gpus_per_worker if config.compute.gpus_per_worker is not None else 0.0
         bundles = plan(config, gpus)
         problem = unplaceable(bundles, cluster_nodes(len(bundles)))  # nodes alive or the autoscaler may add
@@ -138,8 +198,9 @@ class JobManager:
         job_id = "job-" + secrets.token_hex(6)
         key = new_key("rlg-job-")
         self._folder(job_id).mkdir(parents=True)
-        if request.task_app_api_key:  # the task app's key: a file for the driver, never in job.json
-            _secret_file(self._folder(job_id) / "task_app_key", request.task_app_api_key)
+        if request.task_app_api_key:  # in memory only, until the job's driver takes it
+            self.task_app_keys[job_id] = request.task_app_api_key
+            self.keyed.add(job_id)
         gateway = config.gateway
         gateway.run_name, gateway.run_dir = job_id, str(self._run_dir(job_id).parent)
         gateway.host, gateway.port, gateway.route_prefix = self.gateway["host"], self.gateway["port"], f"/jobs/{job_id}"
@@ -168,6 +229,19 @@ class JobManager:
     async def list(self) -> list[dict]:
         self._ensure_watcher()
         return [job.model_dump(mode="json") for job in sorted(self.jobs.values(), key=lambda j: -j.created_at)]
+
+    async def take_task_app_key(self, job_id: str) -> str | None:
+        """The job's task app key, for its driver, once: then this actor forgets it.
+        None when the job was given none; LookupError when it was and is gone."""
+        if job_id in self.task_app_keys:
+            return self.task_app_keys.pop(job_id)
+        if job_id not in self.jobs:
+            raise LookupError(f"no job {job_id!r}")
+        if self.jobs[job_id].status in jobs.FINISHED:  # e.g. cancelled while its driver was starting
+            raise LookupError(f"job {job_id} has already {self.jobs[job_id].status}")
+        if job_id in self.keyed:
+            raise LookupError(LOST_KEY)
+        return None
 
     async def get(self, job_id: str, key: str | None) -> dict:
         self._ensure_watcher()
@@ -234,18 +308,20 @@ class JobManager:
                 running += self._submitted(job.job_id)
 
     async def _submit_to_ray(self, job: jobs.Job) -> None:
+        if job.job_id in self.keyed and job.job_id not in self.task_app_keys:  # lost in a restart
+            self._finish(job.job_id, "failed", LOST_KEY)
+            return
         folder = self._folder(job.job_id)
         config_path = folder / "config.toml"
-        entrypoint = shlex.join([self.python, str(ROOT / "train_driver.py"), "--config", str(config_path)])
-        # Secrets reach the driver as files only it can read: Ray keeps a job's env vars in its job info.
-        admin_file = _secret_file(folder / "admin_key", new_key("rlg-admin-"))
+        # No secret in the entrypoint, env vars or metadata (Ray shows them all in its job info), nor in a
+        # file: the driver makes its gateway's admin key itself and takes the task app's key from us.
+        entrypoint = shlex.join(
+            [self.python, str(ROOT / "train_driver.py"), "--config", str(config_path), "--job-manager", self.name]
+        )
         env = {
-            "RLGATE_ADMIN_KEY_FILE": str(admin_file),  # the job's own gateway, used by its driver alone
             "PYTHONPATH": str(ROOT),
             "RAY_JOB_STOP_WAIT_TIME_S": "60",  # time for a cancelled driver to stop its engines and trainer
         }
-        if (folder / "task_app_key").exists():
-            env["ENVIRONMENT_API_KEY_FILE"] = str(folder / "task_app_key")
         try:
             await asyncio.to_thread(
                 self.client.submit_job,
@@ -296,6 +372,7 @@ class JobManager:
         )
 
     def _finish(self, job_id: str, status: str, error: str | None) -> None:
+        self.task_app_keys.pop(job_id, None)  # however it ended: a key its driver never took goes too
         job = self.jobs[job_id]
         if job.status in jobs.FINISHED:
             return
@@ -366,12 +443,6 @@ class JobManager:
                 pass  # never made, or gone already
 
 
-def _secret_file(path: Path, secret: str) -> Path:
-    path.touch(mode=0o600)
-    path.write_text(secret)
-    return path
-
-
 def _last_line(logs: str) -> str | None:
     """The driver's own one-line reason (``rlgate: ...``), else the last line of its logs."""
     from rlgate.tasks import redact
@@ -383,11 +454,14 @@ def _last_line(logs: str) -> str | None:
     return lines[-1] if lines else None
 
 
-def get_or_create_job_manager(run_name: str, jobs_dir: str, gateway: dict, max_running: int = 1):
-    return (
+def get_or_create_job_manager(
+    run_name: str, jobs_dir: str, gateway: dict, max_running: int = 1, task_app_hosts: list[str] | None = None
+):
+    name = f"rlgate-{run_name}-jobs"
+    manager = (
         ray.remote(JobManager)
-        .options(
-            name=f"rlgate-{run_name}-jobs", namespace="rlgate", lifetime="detached", get_if_exists=True, num_cpus=0
-        )
-        .remote(jobs_dir, gateway, max_running)
+        .options(name=name, namespace="rlgate", lifetime="detached", get_if_exists=True, num_cpus=0)
+        .remote(jobs_dir, gateway, max_running, task_app_hosts, name)
     )
+    manager.set_task_app_hosts.remote(task_app_hosts or [])  # one made earlier keeps its own until told
+    return manager

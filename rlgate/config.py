@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from rlgate.egress import Allowlist
 
 
 class ConfigError(ValueError):
@@ -257,7 +260,44 @@ class ComputeConfig(_Section):
 
 
 class ServicesConfig(_Section):
-    task_url: str | None = Field(None, description="Base URL of a task app that drives the episodes.")
+    task_url: str | None = Field(
+        None, max_length=2048, description="Base URL of a task app that drives the episodes (http or https)."
+    )
+
+    @field_validator("task_url")
+    @classmethod
+    def _http(cls, url: str | None) -> str | None:
+        from rlgate.egress import target
+
+        if url is not None:
+            target(url)  # http or https, a host, no credentials; what it resolves to is checked by [jobs]
+        return url
+
+
+class JobsConfig(_Section):
+    """What a run's driver may call. In the gateway's config it rules every RL job
+    the gateway takes (a submitted config's own [jobs] is replaced by it)."""
+
+    task_app_hosts: list[str] = Field(
+        default_factory=list,
+        max_length=1024,
+        description="Task apps a run may call at non-public addresses (loopback, private, link-local, ...): "
+        "host names, IP addresses or networks such as 10.0.0.0/8. Public addresses need no entry.",
+    )
+
+    @field_validator("task_app_hosts")
+    @classmethod
+    def _entries(cls, entries: list[str]) -> list[str]:
+        from rlgate.egress import Allowlist
+
+        Allowlist.parse(entries)  # ValueError names the entry
+        return entries
+
+    def allowlist(self) -> Allowlist:
+        """The entries as an :class:`rlgate.egress.Allowlist` (imported here: it brings httpx)."""
+        from rlgate.egress import Allowlist
+
+        return Allowlist.parse(self.task_app_hosts)
 
 
 class TaskConfig(_Section):
@@ -302,6 +342,7 @@ class RLGateConfig(_Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     compute: ComputeConfig = Field(default_factory=ComputeConfig)
     services: ServicesConfig = Field(default_factory=ServicesConfig)
+    jobs: JobsConfig = Field(default_factory=JobsConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     tags: dict[str, str] = Field(default_factory=dict, description="Free-form labels kept with the run.")

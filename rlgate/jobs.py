@@ -131,6 +131,9 @@ def _job_config(request: JobRequest) -> RLGateConfig:
     else:
         raw = request.config if request.config is not None else (data.config or {})
     raw = {section: dict(body) if isinstance(body, dict) else body for section, body in raw.items()}
+    task_url = data.endpoint_base_url or request.task_app_url
+    if task_url:  # validated with the rest: [services] task_url in either shape
+        raw["services"] = {**raw.get("services", {}), "task_url": task_url}
     if request.compute:  # synth-ai sends [compute] beside the config; it wins over the config's own
         if is_synth_shape(raw):
             raw["compute"] = {**raw.get("compute", {}), **request.compute}
@@ -142,9 +145,6 @@ def _job_config(request: JobRequest) -> RLGateConfig:
     model = data.model or data.base_model
     if model:
         config.model.name = model
-    task_url = data.endpoint_base_url or request.task_app_url
-    if task_url:
-        config.services.task_url = task_url
     if config.services.task_url is None and config.task.builtin is None:
         raise ConfigError(
             f"{source}: a job needs episodes: set [services] task_url (or data.endpoint_base_url) or [task] builtin"

@@ -7,7 +7,7 @@ stated reason, or refused by name: nothing is dropped silently.
 
     [algorithm] type = "online", method = "policy_gradient", variety -> [algorithm] variety
     [model] base -> [model] name; label -> [gateway] served_model_name; trainer_mode = "full"
-    [services] task_url -> [services] task_url
+    [services] task_url -> [services] task_url; [jobs] task_app_hosts (rlgate's own) -> [jobs] task_app_hosts
     [rollout] env_name, policy_name, env_config, policy_config, max_turns, ops,
               max_concurrent_rollouts -> [task]; episodes_per_batch -> [training] batch_size
     [training] batch_size, group_size, learning_rate; gradient_accumulation_steps -> grad_accumulation;
@@ -89,6 +89,7 @@ def from_synth(data: dict, source: str = "config") -> dict:
         m.refuse("policy", "the [policy] section is not supported; use [model] base")
     # [services]
     m.put("services", "task_url", m.get("services", "task_url"))
+    m.put("jobs", "task_app_hosts", m.get("jobs", "task_app_hosts"))  # a submitted job gets the gateway's instead
     if m.get("services", "verifier_url"):
         m.refuse("services.verifier_url", "hosted verifiers are not supported; the task app returns rewards")
     # [rollout] -> [task], [training]

@@ -27,14 +27,20 @@ Write one in a few lines with :func:`create_task_app`::
 from __future__ import annotations
 
 import hmac
+import logging
 import os
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+if TYPE_CHECKING:
+    from rlgate.egress import Allowlist
 
 API_KEY_ENV = "ENVIRONMENT_API_KEY"
+logger = logging.getLogger(__name__)
 
 
 def environment_key() -> str | None:
@@ -201,6 +207,7 @@ def create_task_app(
         try:
             result = await rollout(Episode(request, client, policy.get("model") or "default"))
         except Exception as err:  # the environment's own failure: the trainer counts the episode as failed
+            logger.exception("rollout %s failed", request.run_id)  # here: the trainer reports only the 500
             raise HTTPException(500, f"rollout failed: {err.__class__.__name__}: {err}") from None
         finally:
             await client.close()
@@ -239,60 +246,111 @@ class TaskAppError(Exception):
 
 
 class TaskAppClient:
-    """The trainer's side of the contract, over ``httpx.AsyncClient``."""
+    """The trainer's side of the contract, over ``httpx.AsyncClient``.
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 600.0) -> None:
+    With ``allowed`` (a run's driver passes ``[jobs] task_app_hosts``), every
+    connection is checked against it as it is made (:mod:`rlgate.egress`).
+    Errors never quote what the app answered, only its status, content type
+    and length: a job's error is readable with the job's own key, and a URL
+    pointing at an internal service must not turn its answers into text."""
+
+    def __init__(
+        self, base_url: str, api_key: str | None = None, timeout_s: float = 600.0, allowed: Allowlist | None = None
+    ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.api_key, self.timeout_s, self.allowed = api_key, timeout_s, allowed
         self.headers = {"X-API-Key": api_key} if api_key else {}
-        self.timeout_s = timeout_s
         self._http = None  # made on first use, in the event loop that uses it
+
+    def copy(self) -> TaskAppClient:
+        """The same app and settings, for use in another event loop."""
+        return TaskAppClient(self.base_url, self.api_key, self.timeout_s, self.allowed)
+
+    def _client(self, timeout_s: float):
+        import httpx
+
+        from rlgate.egress import GuardedTransport
+
+        transport = GuardedTransport(self.allowed) if self.allowed is not None else None
+        return httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=timeout_s, transport=transport)
 
     @property
     def http(self):
-        import httpx
-
         if self._http is None:
-            self._http = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=self.timeout_s)
+            self._http = self._client(self.timeout_s)
         return self._http
 
     async def _get(self, path: str) -> dict:
         import httpx
 
+        from rlgate.egress import TargetRefused
+
+        where = f"GET {self.base_url}{path}"
         try:
-            async with httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=30) as http:
+            async with self._client(30) as http:
                 answer = await http.get(path)
+        except TargetRefused as err:
+            raise TaskAppError(f"{where}: {err}") from None
         except httpx.HTTPError as err:
-            raise TaskAppError(f"GET {self.base_url}{path}: unreachable ({err.__class__.__name__}: {err})") from None
+            raise TaskAppError(f"{where}: unreachable ({_transport_error(err)})") from None
         if answer.status_code in (401, 403):
             raise TaskAppError(
-                f"GET {self.base_url}{path}: {answer.status_code} unauthorised; set {API_KEY_ENV} to the task "
-                "app's environment key"
+                f"{where}: {answer.status_code} unauthorised; set {API_KEY_ENV} to the task app's environment key"
             )
         if answer.status_code != 200:
-            raise TaskAppError(f"GET {self.base_url}{path}: {answer.status_code} {answer.text[:200]}")
+            raise TaskAppError(f"{where}: {_status(answer)}")
         try:
             return answer.json()
         except ValueError:
-            raise TaskAppError(f"GET {self.base_url}{path}: the answer is not JSON") from None
+            raise TaskAppError(f"{where}: the answer is not JSON ({_status(answer)})") from None
 
     async def check(self) -> TaskInfo:
         """``/health`` then ``/task_info``; TaskAppError names the check that failed."""
         await self._get("/health")
         try:
             return TaskInfo.model_validate(await self._get("/task_info"))
-        except ValueError as err:
-            raise TaskAppError(f"GET {self.base_url}/task_info: not a TaskInfo: {err}") from None
+        except ValidationError as err:
+            raise TaskAppError(f"GET {self.base_url}/task_info: not a TaskInfo: {_problems(err)}") from None
 
     async def rollout(self, request: RolloutRequest) -> RolloutResponse:
         import httpx
 
+        from rlgate.egress import TargetRefused
+
         try:
             answer = await self.http.post("/rollout", json=request.model_dump(mode="json", exclude_none=True))
+        except TargetRefused as err:
+            raise TaskAppError(f"POST /rollout: {err}") from None
         except httpx.HTTPError as err:
-            raise TaskAppError(f"POST /rollout: {err.__class__.__name__}: {err}") from None
+            raise TaskAppError(f"POST /rollout: {_transport_error(err)}") from None
         if answer.status_code != 200:
-            raise TaskAppError(f"POST /rollout: {answer.status_code} {answer.text[:200]}")
+            raise TaskAppError(f"POST /rollout: {_status(answer)}")
         try:
             return RolloutResponse.model_validate(answer.json())
-        except ValueError as err:
-            raise TaskAppError(f"POST /rollout: not a RolloutResponse: {err}") from None
+        except ValidationError as err:
+            raise TaskAppError(f"POST /rollout: not a RolloutResponse: {_problems(err)}") from None
+        except ValueError:
+            raise TaskAppError(f"POST /rollout: the answer is not JSON ({_status(answer)})") from None
+
+
+def _status(answer) -> str:
+    """An answer in a few words: status, reason, content type and length; never its body."""
+    kind = answer.headers.get("content-type", "no content type").split(";")[0].strip()
+    kind = kind if re.fullmatch(r"[\w.+-]{1,64}/[\w.+-]{1,64}", kind) else "unknown content type"
+    said = f"{answer.status_code} {answer.reason_phrase}".rstrip() + f" ({kind}, {len(answer.content)} bytes)"
+    return said + ("; redirects are not followed: give the final URL" if answer.is_redirect else "")
+
+
+def _problems(err: ValidationError) -> str:
+    """What is wrong with a shape, by place; without the values (they came from the app)."""
+    errors = err.errors(include_url=False, include_input=False, include_context=False)
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'the answer'}: {e['msg']}" for e in errors[:5])
+
+
+def _transport_error(err) -> str:
+    """A failed exchange in words of our own: a protocol error may quote bytes the other end sent."""
+    import httpx
+
+    if isinstance(err, httpx.ProtocolError | httpx.DecodingError):
+        return f"{err.__class__.__name__}: the answer is not HTTP that rlgate reads"
+    return f"{err.__class__.__name__}: {err}"

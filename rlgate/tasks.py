@@ -131,8 +131,8 @@ async def play(
                     else {"reward": reward}
                 )
                 answer = await http.post(f"{url}/rl/set_reward", json=body, headers=auth)
-                if answer.status_code != 200:
-                    raise RuntimeError(f"set_reward: {answer.status_code} {answer.text[:200]}")
+                if answer.status_code != 200:  # its status only: errors end up in the job's record
+                    raise RuntimeError(f"set_reward: {answer.status_code} {answer.reason_phrase}")
             except Exception as err:
                 await http.post(f"{url}/rl/end_session", json={"failed": True}, headers=auth)
                 failed(f"{err.__class__.__name__}: {err}")

@@ -5,6 +5,7 @@ suite fast)."""
 from __future__ import annotations
 
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,18 @@ from rlgate.serving.routing import serve_start_options
 from tests.support import free_port
 
 needs_vllm = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed")
+
+# Every key rlgate makes (rlgate.sessions.new_key): session keys rlg-<secret> and
+# rlg<slot>-<secret>, RL job keys rlg-job-<secret>, admin keys rlg-admin-<secret>
+# (a job's gateway, a generated one), the secret being 256 bits in 43 URL-safe
+# characters. Tests grep for the pattern, so keys no test ever sees count too.
+GENERATED_KEY = re.compile(rb"rlg\d*-(?:job-|admin-)?[A-Za-z0-9_-]{43}")
+
+
+def generated_keys(data: bytes | str) -> list[str]:
+    """The generated keys in ``data``."""
+    data = data.encode() if isinstance(data, str) else data
+    return [found.decode() for found in GENERATED_KEY.findall(data)]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -41,6 +41,16 @@ def test_bad_values_are_named():
     assert parse_config({"rollout": {"replicas": 2}, "gateway": {"colocate": True, "direct_port": 65534}})
 
 
+def test_task_app_hosts_entries_are_checked_and_none_by_default():
+    assert parse_config({}).jobs.task_app_hosts == []  # runs may call task apps at public addresses only
+    hosts = ["127.0.0.1", "::1", "10.0.0.0/8", "taskapp.internal"]
+    assert parse_config({"jobs": {"task_app_hosts": hosts}}).jobs.task_app_hosts == hosts
+    with pytest.raises(ConfigError, match=r"jobs.task_app_hosts: 'http://taskapp:8201' is not a URL entry"):
+        parse_config({"jobs": {"task_app_hosts": ["http://taskapp:8201"]}})
+    with pytest.raises(ConfigError, match=r"services.task_url: a task app URL must be http or https, not 'ftp'"):
+        parse_config({"services": {"task_url": "ftp://taskapp/"}})
+
+
 def test_a_colocated_gateway_has_as_many_replicas_as_engines():
     assert parse_config({"gateway": {"colocate": True, "replicas": 3}}).rollout.replicas == 3
     assert parse_config({"gateway": {"colocate": True}, "rollout": {"replicas": 2}}).gateway.replicas == 2

@@ -99,3 +99,16 @@ def test_progress_and_events_from_metrics():
         "eval_failed": 0,
     }
     assert jobs.RAY_STATUS["STOPPED"] == "cancelled" and set(jobs.RAY_STATUS.values()) <= set(jobs.Status.__args__)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"config": {"model": {"name": "tiny-random"}}, "task_app_url": "file:///etc/passwd"},
+        {"data": {"endpoint_base_url": "file:///etc/passwd", "config": SYNTH}},
+        {"config": {"services": {"task_url": "file:///etc/passwd"}}},
+    ],
+)
+def test_a_task_app_url_must_be_http_or_https(body):
+    with pytest.raises(ConfigError, match=r"services.task_url: a task app URL must be http or https, not 'file'"):
+        jobs.job_config(jobs.JobRequest.model_validate(body))

@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from rlgate.client import RLGateError, RLJob
-from tests.conftest import serve_asgi, start_gateway
+from tests.conftest import generated_keys, serve_asgi, start_gateway
 from tests.support import free_port
 
 pytestmark = pytest.mark.slow
@@ -31,6 +31,7 @@ def jobsgw(ray_session, tmp_path_factory):
         "model": {"name": "tiny-random"},
         "rollout": {"max_model_len": 512, "kv_cache_gib": 0.5},
         "gateway": {"port": port, "max_running_jobs": 1},
+        "jobs": {"task_app_hosts": ["127.0.0.1"]},  # the tests' task apps run on loopback
     }
     app = start_gateway(ray_session, tmp_path_factory, "jobsgw", settings)
     yield app
@@ -157,15 +158,18 @@ def test_a_job_runs_on_ray_and_reports_results_events_and_metrics(jobsgw, task_a
     shown = json.loads(rlgate(jobsgw, "jobs", "status", job_id).stdout)
     assert shown["results"] == results
 
-    # No key (admin, job, session, the task app's) is in the job's records, events or logs.
+    # No key is in any of the job's files (records, events, config, run folder) or its logs: not the ones
+    # this test holds (admin, job, the task app's), nor any key rlgate made for the job (its gateway's
+    # admin key, its episodes' session keys), which are found by their shape. No secret file either.
     folder = jobsgw.run_dir.parent / "jobs" / job_id
-    secrets = [jobsgw.admin_key, job.job_api_key, TASK_APP_KEY, (folder / "admin_key").read_text()]
-    records = [folder / "job.json", folder / "events.jsonl", folder / "config.toml"]
+    secrets = [jobsgw.admin_key, job.job_api_key, TASK_APP_KEY]
     logs = JobSubmissionClient(ray.get_runtime_context().gcs_address).get_job_logs(job_id)
-    for text in [p.read_text() for p in records] + [logs]:
-        assert not any(secret in text for secret in secrets)
-    assert "rlg-" not in logs.replace("rlg-admin", "")  # no session key either
-    assert oct((folder / "task_app_key").stat().st_mode & 0o777) == "0o600"
+    texts = {str(p): p.read_bytes() for p in folder.rglob("*") if p.is_file()} | {"the job's logs": logs.encode()}
+    leaks = [where for where, data in texts.items() if generated_keys(data) or any(k.encode() in data for k in secrets)]
+    assert not leaks, leaks
+    assert "rlg-" not in logs.replace("rlg-admin", "")  # not even part of a session key
+    assert not (folder / "admin_key").exists() and not (folder / "task_app_key").exists()
+    assert urls and all(generated_keys(url) for url in urls)  # the job's session keys have the shape looked for
 
     # Job state lives on disk: a restarted JobManager answers as before.
     ray.kill(ray.get_actor("rlgate-jobsgw-jobs", namespace="rlgate"))
@@ -183,6 +187,9 @@ def test_bad_requests_are_refused_with_what_was_wrong(jobsgw, task_app):
     typo = payload(task_app) | {"dat": {}}
     answer = post(typo, headers=jobsgw.admin)
     assert answer.status_code == 422 and "dat" in answer.text
+    metadata = post(payload("http://169.254.169.254/latest/meta-data"), headers=jobsgw.admin)  # not allowed
+    assert metadata.status_code == 422 and "169.254.169.254, a link-local address" in metadata.text
+    assert "[jobs] task_app_hosts" in metadata.text
     huge = payload(task_app) | {"compute": {"gpu_type": "H100", "gpu_count": 8}}
     answer = post(huge, headers=jobsgw.admin)
     assert (

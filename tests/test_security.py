@@ -1,6 +1,7 @@
 """Who may call what: every route against every kind of credential, over real
-HTTP, and the keys themselves never showing up where they should not: Ray's
-logs, the metrics endpoint, exported trajectories, answers to other callers."""
+HTTP, and the keys themselves, those the test holds and every key rlgate made,
+never showing up where they should not: Ray's logs, the metrics endpoint,
+exported trajectories, a job's folder, answers to other callers."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import gateway_fixture
+from tests.conftest import gateway_fixture, generated_keys
 from tests.support import free_port
 
 SETTINGS = {
     "model": {"name": "tiny-random"},
     "rollout": {"engine": "hf", "max_model_len": 512},
     "gateway": {"max_concurrent": 32},
+    "jobs": {"task_app_hosts": ["127.0.0.1"]},  # the failing job's task app is on loopback
 }
 CREDENTIALS = ("none", "malformed", "wrong", "admin", "own", "other", "ended", "job")
 pytestmark = pytest.mark.slow
@@ -64,6 +66,8 @@ def routes(job_id: str, interaction: str) -> list[tuple[str, str, dict | None, d
     chat = {"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     text = {"model": "tiny-random", "prompt": "hi", "max_tokens": 2}
     too_big = {"config": {"model": {"name": "tiny-random"}, "rollout": {"num_gpus": 64}}}
+    # a cloud's metadata endpoint as the task app: not allowed ([jobs] task_app_hosts), so never called
+    metadata = {"config": {"model": {"name": "tiny-random"}}, "task_app_url": "http://169.254.169.254/latest"}
     return [
         ("GET", "/health", None, {"*": 200}),
         ("GET", "/openapi.json", None, ADMIN_ROUTE),
@@ -89,6 +93,7 @@ def routes(job_id: str, interaction: str) -> list[tuple[str, str, dict | None, d
         ("POST", "/s/{key}/v1/completions", text, SESSION_ROUTE | {"none": 404}),
         ("GET", "/api/rl/jobs", None, ADMIN_ROUTE),
         ("POST", "/api/rl/jobs", too_big, {"admin": 422, "*": 401}),  # authorised, then refused: no GPUs
+        ("POST", "/api/rl/jobs", metadata, {"admin": 422, "*": 401}),  # authorised, then refused: the host
         ("GET", f"/api/rl/jobs/{job_id}", None, JOB_ROUTE),
         ("GET", f"/api/rl/jobs/{job_id}/events", None, JOB_ROUTE),
         ("GET", f"/api/rl/jobs/{job_id}/metrics", None, JOB_ROUTE),
@@ -153,10 +158,12 @@ def test_every_route_answers_every_credential_as_intended_and_no_key_leaks(sec, 
     assert status["sessions"]["open_sessions"] == 1  # A alone: B's key ended B
     assert httpx.post(f"{sec.url}/rl/end_session", headers={"Authorization": f"Bearer {a['api_key']}"}).is_success
 
+    # The keys this test holds, and every key rlgate made (found by its shape: session keys, job keys,
+    # the failed job's gateway admin key, which no test ever sees), in no answer to anyone
+    # (start_session's own answer aside), exported trajectory, job file, Ray log or metric.
     secrets_used = [sec.admin_key, a["api_key"], b["api_key"], ended["api_key"], job_key]
-    # no answer to anyone repeats a key (start_session's own answer aside)
     assert not [k for k in secrets_used for text in answers if k in text]
-    # nor do exported trajectories, the job's files, Ray's logs or the metrics endpoint
+    assert not [text for text in answers if generated_keys(text)]
     logs = Path(ray_session._private.worker._global_node.get_logs_dir_path())  # every process's log
     time.sleep(3)  # log lines reach their files asynchronously
     for folder in (sec.run_dir.parent, job_folder(sec, job_id), logs):
@@ -164,6 +171,8 @@ def test_every_route_answers_every_credential_as_intended_and_no_key_leaks(sec, 
             if path.is_file() and path.stat().st_size < 200 * 2**20:
                 data = path.read_bytes()
                 assert not [k for k in secrets_used if k.encode() in data], f"a key is in {path}"
+                assert not generated_keys(data), f"a key rlgate made is in {path}"
+    assert not [p.name for p in job_folder(sec, job_id).iterdir() if p.name in ("admin_key", "task_app_key")]
     port = next(node["MetricsExportPort"] for node in ray_session.nodes() if node["Alive"])
     metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
-    assert not [k for k in secrets_used if k in metrics]
+    assert not [k for k in secrets_used if k in metrics] and not generated_keys(metrics)

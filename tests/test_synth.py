@@ -54,6 +54,7 @@ def test_a_synth_config_is_mapped_onto_ours():
     assert config.evaluation.seeds == [7, 8] and config.evaluation.every_n_iters == 5
     assert config.tags == {"team": "rl"}
     assert config.compute.gpus_per_worker == 0 and config.rollout.num_gpus == 0  # no [compute]: CPU
+    assert parse_config(with_(jobs__task_app_hosts=["127.0.0.1"])).jobs.task_app_hosts == ["127.0.0.1"]
 
 
 def test_episodes_per_batch_is_the_batch_size_when_training_has_none():

@@ -9,6 +9,7 @@ import asyncio
 import httpx
 import pytest
 from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
 
 from rlgate.taskapp import (
     EnvSpec,
@@ -83,8 +84,81 @@ def test_a_failing_environment_is_a_rollout_error_not_a_crash():
         raise RuntimeError("simulator crashed")
 
     with serve_asgi(create_task_app("broken", broken, api_key="")) as url:
-        with pytest.raises(TaskAppError, match="POST /rollout: 500 .*simulator crashed"):
+        with pytest.raises(TaskAppError, match=r"POST /rollout: 500 Internal Server Error \(application/json") as err:
             asyncio.run(TaskAppClient(url).rollout(request("http://127.0.0.1:9/v1")))
+    assert "simulator crashed" not in str(err.value)  # the app logs its own error; the trainer says 500
+
+
+SECRET = "AKIA-SECRET-INTERNAL-BODY"
+
+
+def internal_service() -> FastAPI:
+    """Something a task-app URL should not reach: every answer carries a secret."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return PlainTextResponse(f"metadata: {SECRET}", status_code=500)
+
+    @app.get("/shape/health")
+    async def healthy():
+        return {"healthy": True}
+
+    @app.get("/shape/task_info")
+    async def task_info():
+        return {"task": f"not a table: {SECRET}"}
+
+    @app.get("/redirect/health")
+    async def redirect():
+        return PlainTextResponse(SECRET, status_code=302, headers={"Location": f"http://{SECRET}/"})
+
+    @app.post("/rollout")
+    async def rollout():
+        return {"run_id": "x", "metrics": {"outcome_reward": SECRET}}
+
+    @app.post("/fail/rollout")
+    async def fail():
+        return PlainTextResponse(SECRET * 10, status_code=503)
+
+    return app
+
+
+def test_errors_never_repeat_what_the_task_app_answered():
+    """A job's error is readable with the job's key: a task-app URL pointing at an
+    internal service must not turn its answers into readable text. Errors give the
+    status, reason phrase, content type and length; never the body, nor the
+    values pydantic quotes when a shape is wrong."""
+    with serve_asgi(internal_service()) as url:
+        client = TaskAppClient(url)
+        failures = []
+        for call in (
+            client.check,
+            lambda: TaskAppClient(f"{url}/redirect").check(),
+            lambda: client.rollout(request("http://127.0.0.1:9/v1")),
+            lambda: TaskAppClient(f"{url}/fail").rollout(request("http://127.0.0.1:9/v1")),
+            lambda: TaskAppClient(f"{url}/shape").check(),
+        ):
+            with pytest.raises(TaskAppError) as failed:
+                asyncio.run(call())
+            failures.append(str(failed.value))
+    assert not [f for f in failures if SECRET in f], failures
+    assert failures[0].endswith("/health: 500 Internal Server Error (text/plain, 35 bytes)"), failures[0]
+    redirect = "/redirect/health: 302 Found (text/plain, 25 bytes); redirects are not followed: give the final URL"
+    assert failures[1].endswith(redirect), failures[1]
+    assert failures[2].startswith("POST /rollout: not a RolloutResponse: metrics.outcome_reward: "), failures[2]
+    assert failures[3] == "POST /rollout: 503 Service Unavailable (text/plain, 250 bytes)"
+    assert "/task_info: not a TaskInfo: task: " in failures[4]
+
+
+def test_a_client_with_an_allowlist_refuses_what_it_does_not_admit():
+    from rlgate.egress import Allowlist
+
+    with serve_asgi(create_task_app("add", add, api_key="")) as url:
+        with pytest.raises(TaskAppError, match=r"GET .*/health: task app host '127.0.0.1' resolves to 127.0.0.1"):
+            asyncio.run(TaskAppClient(url, allowed=Allowlist.parse([])).check())
+        with pytest.raises(TaskAppError, match=r"POST /rollout: task app host '127.0.0.1' resolves to 127.0.0.1"):
+            asyncio.run(TaskAppClient(url, allowed=Allowlist.parse([])).rollout(request("http://127.0.0.1:9/v1")))
+        assert asyncio.run(TaskAppClient(url, allowed=Allowlist.parse(["127.0.0.1"])).check()).task["name"] == "add"
 
 
 def test_responses_of_other_task_apps_parse():

@@ -332,7 +332,9 @@ def test_a_run_the_cluster_can_never_hold_stops_before_anything_is_deployed(tmp_
     assert "gateway at" not in done.stdout  # nothing was served
 
 
-def task_app_config(tmp_path, task_url: str, total_steps: int = 2, down_after_s: float = 120) -> Path:
+def task_app_config(
+    tmp_path, task_url: str, total_steps: int = 2, down_after_s: float = 120, hosts: str = '["127.0.0.1"]'
+) -> Path:
     path = tmp_path / "taskapp.toml"
     path.write_text(f"""
 [model]
@@ -346,6 +348,8 @@ run_dir = "{tmp_path / "runs"}"
 port = {free_port()}
 [services]
 task_url = "{task_url}"
+[jobs]
+task_app_hosts = {hosts}
 [task]
 env_name = "math"
 policy_config = {{ max_tokens = 8 }}
@@ -371,4 +375,28 @@ def test_a_task_app_that_stays_down_stops_the_run_with_its_reason(tmp_path):
     with serve_asgi(create_task_app("math", down, api_key="")) as url:
         result = train(task_app_config(tmp_path, url, down_after_s=3))
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "the environment is down: every episode for" in result.stderr and "database unreachable" in result.stderr
+    assert "the environment is down: every episode for" in result.stderr
+    assert "POST /rollout: 500 Internal Server Error (application/json" in result.stderr
+    assert "database unreachable" not in result.stderr  # the task app's answer is not repeated (its log has it)
+
+
+def test_a_task_app_the_config_does_not_allow_is_never_called(tmp_path):
+    """A task app on loopback, with [jobs] task_app_hosts not listing it: the driver
+    refuses before any request reaches the app, naming the host and the setting."""
+    from fastapi import FastAPI, Request
+
+    from tests.conftest import serve_asgi
+
+    app, seen = FastAPI(), []
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def anything(request: Request):
+        seen.append(request.url.path)
+        return {}
+
+    with serve_asgi(app) as url:
+        result = train(task_app_config(tmp_path, url, hosts="[]"))
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "rlgate: task app check failed: GET " in result.stderr
+    assert "task app host '127.0.0.1' resolves to 127.0.0.1, a loopback address" in result.stderr
+    assert "[jobs] task_app_hosts" in result.stderr and seen == [] and "gateway at" not in result.stdout
