@@ -137,7 +137,7 @@ def main() -> int:
             )
             version += 1
             synced = time.monotonic()
-            ray.get(policy.wait_served.remote(version, config.rollout.replicas))  # every engine serves v + 1
+            served(policy, version, config.rollout.replicas)  # every engine serves v + 1
             ray.get(capacity.on_new_version.remote(version))  # admit the next sessions
             log.log(
                 step,
@@ -170,6 +170,18 @@ def main() -> int:
 
 def interrupted(*_) -> None:
     raise KeyboardInterrupt
+
+
+def served(policy, version: int, replicas: int) -> None:
+    """Wait until ``replicas`` engines serve ``version``, across a restart of the
+    PolicyStore (a call in flight then fails; the replicas report again)."""
+    while True:
+        try:
+            ray.get(policy.wait_served.remote(version, replicas))  # False after its timeout: go on regardless
+            return
+        except ray.exceptions.RayActorError:
+            print("rlgate: the policy store restarted; waiting for the engines to report again", file=sys.stderr)
+            time.sleep(1.0)
 
 
 def app_name(config: RLGateConfig) -> str:

@@ -96,7 +96,9 @@ class Gateway:
                 peers = Peers(handle, self.slot)
             self.engine = make_engine(model_path, settings.rollout, settings.model.dtype, initial_version)
             await self.engine.ready()
-            policy = get_or_create_policy_store(f"{run}-policy", NAMESPACE, initial_version)
+            policy = get_or_create_policy_store(
+                f"{run}-policy", NAMESPACE, initial_version, str(Path(gateway.run_dir) / "policy.json")
+            )
             self.follower = PolicyFollower(self.engine, policy, replica.replica_id.unique_id)
             await self.follower.start()  # serve the current policy before taking traffic
             self.request_log = RequestLog(settings.rollout.request_log_size)

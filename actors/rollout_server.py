@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict
+from pathlib import Path
 
 from ray import serve
 
@@ -41,7 +42,10 @@ class RolloutServer:
         await self.engine.ready()
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.policy = get_or_create_policy_store(
-            f"rlgate-{settings.gateway.run_name}-policy", POLICY_NAMESPACE, initial_version
+            f"rlgate-{settings.gateway.run_name}-policy",
+            POLICY_NAMESPACE,
+            initial_version,
+            str(Path(settings.gateway.run_dir) / "policy.json"),
         )
         self.follower = PolicyFollower(self.engine, self.policy, self.replica)
         await self.follower.start()  # serve the current policy before taking traffic

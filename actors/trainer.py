@@ -25,6 +25,7 @@ import ray
 import torch
 from ray.train import Checkpoint
 
+from actors.policy_store import Republisher
 from rlgate.config import RLGateConfig
 from rlgate.grpo import LossConfig
 from rlgate.trainer import PolicyTrainer, StepSettings, collate
@@ -96,6 +97,7 @@ def train_worker(setup: dict) -> None:
     trainer = PolicyTrainer(model, optimizer, step_settings(settings), reference)
     plain = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
+    republisher = Republisher(policy) if rank == 0 else None
     while (command := ray.get(channel.fetch.remote(index)))["op"] != "stop":
         records, advantages = ray.get(command["batch"][0])
         rows = shard(list(zip(records, advantages)), rank, world)
@@ -106,7 +108,9 @@ def train_worker(setup: dict) -> None:
             weights = {name: tensor.detach().cpu() for name, tensor in plain.state_dict().items()}
             published = ray.get(policy.status.remote())["version"]
             if new_version > published:  # a restarted worker repeats steps after its checkpoint
-                ray.get(policy.publish.remote(new_version, [ray.put(weights)]))
+                ref = [ray.put(weights)]
+                ray.get(policy.publish.remote(new_version, ref))
+                republisher.published(new_version, ref)  # kept: a restarted store gets it again
         # Every step's metrics go to Ray Train (a collective: every worker reports), with a checkpoint when due.
         save = (plain, tokenizer, optimizer, index + 1, command.get("driver_state")) if command.get("save") else None
         _report(metrics, new_version, rank, save)

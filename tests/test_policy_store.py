@@ -98,3 +98,43 @@ def _replica_actor(ray_session, unique_id: str):
         if e["name"].startswith("SERVE_REPLICA") and e["name"].endswith(unique_id)
     ]
     return ray_session.get_actor(entry["name"], namespace=entry["namespace"])
+
+
+async def test_a_killed_policy_store_comes_back_and_gets_its_weights_again(ray_session, tmp_path):
+    """SIGKILL the PolicyStore: Ray restarts it in place with its version and who
+    serves what (from its state file); the weights' reference died with it, so a
+    replica behind waits for them instead of serving an older policy, and the
+    trainer's Republisher, which kept the reference, publishes them again."""
+    import asyncio
+    import os
+    import signal
+    import uuid
+
+    import ray
+
+    from actors.policy_store import Republisher, get_or_create_policy_store
+
+    store = get_or_create_policy_store(f"policy-{uuid.uuid4().hex}", "rlgate", 0, str(tmp_path / "policy.json"))
+    republisher = Republisher(store, every_s=0.2)
+    try:
+        weights = [ray_session.put({"w": 1})]
+        await store.publish.remote(1, weights)
+        republisher.published(1, weights)
+        await store.ack.remote("replica-a", 1)
+
+        os.kill(await store.__ray_call__.remote(lambda self: os.getpid()), signal.SIGKILL)
+        while True:  # a call that met the death fails, as a follower's does (it tries again)
+            try:
+                version, [ref] = await store.newer_than.remote(0, 0)  # a restarting replica at version 0
+                break
+            except ray.exceptions.RayActorError:
+                await asyncio.sleep(0.2)
+        assert version == 1 and await ref == {"w": 1}
+        status = await store.status.remote()
+        assert status["serving"] == {"replica-a": 1} and not status["weights_lost"]
+        with pytest.raises(ValueError, match="not newer"):  # once they are back, a version is published once
+            await store.publish.remote(1, weights)
+        await store.publish.remote(2, [ray_session.put({"w": 2})])
+    finally:
+        republisher.stop()
+        ray_session.kill(store)
