@@ -31,7 +31,7 @@ from actors.trainer import checkpoint_states
 from actors.trajectory_store import last_seq
 from rlgate.batching import GroupBuffer
 from rlgate.config import ConfigError, RLGateConfig, dump_config, load_config
-from rlgate.loop import NAMESPACE, Trainer, collect, normaliser, score
+from rlgate.loop import NAMESPACE, Trainer, collect, normaliser, score, surviving
 from rlgate.placement import cluster_nodes, plan, unplaceable, worker_bundle
 from rlgate.runlog import RunLog
 from rlgate.serving.routing import serve_start_options
@@ -107,13 +107,11 @@ def main() -> int:
         storage=run_dir,
         name="trainer",
         first_command=first_command,
+        max_failures=training.max_failures,
     )
-    ray.get(capacity.on_new_version.remote(version))  # a resumed run counts from its own version
-    ray.get(
-        capacity.grant.remote(
-            training.batch_size, training.max_staleness, training.group_size, training.group_timeout_s
-        )
-    )
+    surviving(lambda: capacity.on_new_version.remote(version), "the policy version")  # a resumed run: its own
+    rule = (training.batch_size, training.max_staleness, training.group_size, training.group_timeout_s)
+    surviving(lambda: capacity.grant.remote(*rule), "the staleness rule")
     stopping = threading.Event()
     episodes = start_episodes(config, url, key, stopping, task_app)
     log = RunLog(run_dir, training.total_steps, step)
@@ -138,7 +136,7 @@ def main() -> int:
             version += 1
             synced = time.monotonic()
             served(policy, version, config.rollout.replicas)  # every engine serves v + 1
-            ray.get(capacity.on_new_version.remote(version))  # admit the next sessions
+            surviving(lambda v=version: capacity.on_new_version.remote(v), "the new version")  # admit the next sessions
             log.log(
                 step,
                 summarise(records, metrics, version, buffer, started, synced)

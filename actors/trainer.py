@@ -28,6 +28,7 @@ from ray.train import Checkpoint
 from actors.policy_store import Republisher
 from rlgate.config import RLGateConfig
 from rlgate.grpo import LossConfig
+from rlgate.loop import surviving
 from rlgate.trainer import PolicyTrainer, StepSettings, collate
 
 NAMESPACE = "rlgate"
@@ -106,10 +107,11 @@ def train_worker(setup: dict) -> None:
         new_version = command["version"] + 1
         if rank == 0:
             weights = {name: tensor.detach().cpu() for name, tensor in plain.state_dict().items()}
-            published = ray.get(policy.status.remote())["version"]
+            published = surviving(lambda: policy.status.remote(), "the published version")["version"]
             if new_version > published:  # a restarted worker repeats steps after its checkpoint
                 ref = [ray.put(weights)]
-                ray.get(policy.publish.remote(new_version, ref))
+                # made again after a store restart: its saved version then equals this one, weights lost
+                surviving(lambda v=new_version, r=ref: policy.publish.remote(v, r), "publishing")
                 republisher.published(new_version, ref)  # kept: a restarted store gets it again
         # Every step's metrics go to Ray Train (a collective: every worker reports), with a checkpoint when due.
         save = (plain, tokenizer, optimizer, index + 1, command.get("driver_state")) if command.get("save") else None

@@ -231,6 +231,11 @@ class TrainingConfig(_Section):
         "batch", description="Groups short after group_timeout_s: train them (advantages over the batch) or drop them."
     )
     seed: int = Field(0, ge=0, description="Seed for the trainer.")
+    max_failures: int = Field(
+        3,
+        ge=-1,
+        description="Trainer worker-group failures Ray Train recovers from (from the last checkpoint); -1 any.",
+    )
 
     @model_validator(mode="after")
     def _whole_groups(self) -> TrainingConfig:

@@ -24,6 +24,21 @@ NAMESPACE = "rlgate"
 logger = logging.getLogger(__name__)
 
 
+def surviving(call, what: str, within_s: float = 300.0):
+    """``ray.get(call())``, made again while the actor behind it restarts: a run's
+    stores, CapacityActor and PolicyStore come back in place after a crash, and a
+    call that met the crash fails. Only for calls that may be made twice."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return ray.get(call())
+        except ray.exceptions.RayActorError as err:
+            if time.monotonic() > deadline:
+                raise
+            logger.warning("%s: the actor is restarting (%s); trying again", what, err.__class__.__name__)
+            time.sleep(1.0)
+
+
 def collect(
     buffer: GroupBuffer,
     trajectories,
@@ -38,12 +53,15 @@ def collect(
     the CapacityActor at once, so new ones can start in their place."""
     dropped_before, warned = buffer.counters.dropped, False
     while not stop.is_set():
-        records = ray.get(trajectories.read.remote(buffer.last_read, 1000))
+        records = surviving(lambda: trajectories.read.remote(buffer.last_read, 1000), "reading trajectories")
         dropped = buffer.counters.dropped
         buffer.add(records)
         batch = buffer.take(version, max_staleness)
         if buffer.counters.dropped > dropped:
-            ray.get(capacity.discard.remote(buffer.counters.dropped - dropped))
+            try:  # not made twice: a discard counted twice would admit more than the bound
+                ray.get(capacity.discard.remote(buffer.counters.dropped - dropped))
+            except ray.exceptions.RayActorError:
+                logger.warning("the CapacityActor restarted during a discard; those sessions stay counted")
         if not warned and buffer.counters.dropped - dropped_before >= 10 * buffer.batch_size:
             warned = True  # e.g. dynamic sampling on a policy that answers every problem the same way
             logger.warning(
