@@ -4,6 +4,7 @@ sessions (completions, rewards, keys) and the recently ended keys."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -267,3 +268,23 @@ def test_a_journal_too_big_to_read_back_is_a_clear_error_not_a_restart_loop(tmp_
         assert refused.value.status == 503 and "too big to read back" in refused.value.message
         assert str(path) in refused.value.message and "move the file away" in refused.value.message
     assert path.stat().st_size == size  # the journal is left as it was for the operator
+
+
+def test_a_line_it_cannot_apply_costs_that_line_only(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    store = manager(SessionJournal(path), [])
+
+    async def run():
+        a = await store.start("task", "hash-a")
+        store.begin("hash-a", [])
+        store.record(a, [turn(0)])
+        return a
+
+    a = asyncio.run(run())
+    with open(path, "a") as handle:  # damaged lines in the middle: not JSON, and an entry that does not apply
+        handle.write('{"op": "record", "id": "\n')
+        handle.write(json.dumps({"op": "record", "id": a, "interactions": [{"unknown": 1}]}) + "\n")
+    b = asyncio.run(store.start("task", "hash-b"))  # written after them
+    restored = manager(SessionJournal(path), [])
+    assert restored.restore() == 2
+    assert set(restored.sessions) == {a, b} and list(restored.sessions[a].trajectory.interactions) == ["c0"]

@@ -166,3 +166,15 @@ async def test_a_stream_whose_client_is_gone_before_its_first_chunk_leaves_nothi
         await app(scope, receive, send)
     [session] = manager.sessions.values()
     assert session.requests == [] and len(session.trajectory) == 0
+
+
+async def test_too_many_messages_or_choices_are_refused_naming_the_limit(served):
+    http, manager, _ = served
+    key = await start(http)
+    chat = client(http, key).chat.completions
+    many = [{"role": "user", "content": "x"}] * 1025
+    with pytest.raises(openai.BadRequestError, match="1025 messages exceed the limit of 1024"):
+        await chat.create(model="tiny-random", messages=many, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="n=17 exceeds this gateway's limit of 16"):
+        await chat.create(model="tiny-random", messages=many[:1], max_tokens=2, n=17)
+    assert manager.stats()["open_interactions"] == 0  # refused before anything was generated
