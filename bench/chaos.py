@@ -6,8 +6,9 @@ Starts ``train_driver.py`` in online mode (tiny-random, a fresh run folder),
 runs ``--agents`` virtual agents against its gateway (start a session, two
 chat turns, a reward, the end; a refused or failed call is counted and the
 agent goes on), and every ``--kill-every`` seconds SIGKILLs one rlgate
-process at random: the SessionStore, the TrajectoryStore, the CapacityActor,
-the PolicyStore, the Gateway or RolloutServer replica, or a Ray Train worker.
+process, each kind once per round in a random order: the SessionStore, the
+TrajectoryStore, the CapacityActor, the PolicyStore, the Gateway or
+RolloutServer replica, or a Ray Train worker.
 Then the load stops, the driver is interrupted (Ctrl-C: it writes its curve
 and exits), and the run folder is checked:
 
@@ -152,8 +153,11 @@ async def agent(url: str, index: int, tally: Tally, deadline: float) -> None:
 
 async def killer(started: float, deadline: float, every_s: float, kills: list, rng: random.Random, run: Path) -> None:
     await asyncio.sleep(every_s * 2)  # the first sessions run undisturbed
+    round_: list[str] = []
     while time.monotonic() < deadline - every_s:
-        name = rng.choice(sorted(TARGETS))
+        if not round_:  # every kind once per round, in a random order
+            round_ = rng.sample(sorted(TARGETS), len(TARGETS))
+        name = round_.pop()
         found = processes(TARGETS[name])
         if found:
             victim = rng.choice(found)

@@ -414,3 +414,40 @@ async def test_a_killed_capacity_actor_comes_back_with_its_state_and_holders_rec
     await actor.reconcile.remote(0, "gateway-1")  # its session ended meanwhile
     assert [await client.acquire() for _ in range(3)] == [True, True, False]  # 1 + 2: the bound of 3 holds
     ray_session.kill(actor)
+
+
+async def test_a_restarted_capacity_actor_keeps_the_trainers_rule_and_its_group_reservations(tmp_path, ray_session):
+    """The rule a trainer granted and the slots reserved for groups under way
+    survive a SIGKILL: a group's later members still find their slots, and a
+    new group still finds none."""
+    import os
+    import signal
+
+    from actors.capacity import CapacityClient, get_or_create_capacity
+
+    actor = get_or_create_capacity(f"capacity-{uuid.uuid4().hex}", NAMESPACE, 8, str(tmp_path / "capacity.json"))
+    held: list[str] = []
+    client = CapacityClient(actor, "store", count=lambda: len(held))
+    await actor.grant.remote(batch_size=4, max_staleness=0, group_size=2)
+    for task in ("g1", "g2"):  # each group's first session reserves the group's two slots
+        assert await client.acquire(task_id=task)
+        held.append(task)
+    assert not await client.acquire(task_id="g3")  # four slots: two groups under way take them all
+    before = await actor.stats.remote()
+    assert (before["batch_size"], before["group_size"], before["reserved"]) == (4, 2, 2)
+
+    os.kill(await actor.__ray_call__.remote(lambda self: os.getpid()), signal.SIGKILL)
+    assert await client.acquire(task_id="g1")  # a group's second session takes its reserved slot
+    held.append("g1")
+    assert not await client.acquire(task_id="g3")
+    assert await client.acquire(task_id="g2")
+    held.append("g2")
+    after = await actor.stats.remote()
+    assert {k: after[k] for k in ("batch_size", "max_staleness", "group_size", "max_concurrent")} == {
+        "batch_size": 4,
+        "max_staleness": 0,
+        "group_size": 2,
+        "max_concurrent": 8,
+    }
+    assert (after["running"], after["reserved"], after["rejected"]) == (4, 0, before["rejected"] + 1)
+    ray_session.kill(actor)

@@ -11,6 +11,7 @@ import dataclasses
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -61,7 +62,8 @@ def test_a_colocated_replica_serves_records_and_exports_on_its_own_port(colo, ra
     messages = [{"role": "user", "content": "hi"}]
     first = chat(app, started["api_key"], messages)
     messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "on"}]
-    chat(app, started["api_key"], messages)
+    with openai.OpenAI(base_url=started["inference_url"], api_key="unused", max_retries=0) as client:  # scoped URL
+        client.chat.completions.create(model="tiny-random", messages=messages, max_tokens=4)
     assert httpx.post(f"{app.url}/rl/set_reward", json={"reward": 1.0}, headers=key_of(started["api_key"])).is_success
     assert httpx.post(f"{app.url}/rl/end_session", headers=key_of(started["api_key"])).status_code == 200
 
@@ -75,6 +77,11 @@ def test_a_colocated_replica_serves_records_and_exports_on_its_own_port(colo, ra
     assert set(serve.status().applications[NAME].deployments) == {"Gateway"}
     with pytest.raises(ValueError):
         ray_session.get_actor(f"rlgate-{NAME}-sessions", namespace="rlgate")
+    # the direct port logs no raw path: the scoped URL's key is in no log of any process
+    logs = Path(ray_session._private.worker._global_node.get_logs_dir_path())
+    time.sleep(3)  # log lines reach their files asynchronously
+    leaks = [p for p in logs.rglob("*") if p.is_file() and started["api_key"].encode() in p.read_bytes()]
+    assert not leaks, f"the session key is in {leaks}"
 
 
 def test_published_weights_reach_the_colocated_engine(colo, ray_session, reference_model, tiny_tokenizer):
@@ -115,8 +122,11 @@ def until_served(call, seconds: float = 180):
         time.sleep(0.5)
 
 
-def test_a_killed_colocated_replica_hands_its_sessions_to_its_successor(colo, ray_session):
+def test_a_killed_colocated_replica_hands_its_sessions_to_its_successor(colo, ray_session, reference_model):
     app = colo
+    store = ray_session.get_actor(f"rlgate-{NAME}-policy", namespace="rlgate")
+    current = ray_session.get(store.status.remote())["version"] + 1
+    publish_perturbed(ray_session, store, reference_model, version=current, replicas=1)
     before = len(app.trajectories())
     done, going = app.start_session("done"), app.start_session("going")
     messages = [{"role": "user", "content": "hi"}]
@@ -144,5 +154,8 @@ def test_a_killed_colocated_replica_hands_its_sessions_to_its_successor(colo, ra
     first_turn, second_turn = [r for r in records if r["task_id"] == "going"]
     assert second_turn["input_ids"][: len(first_turn["input_ids"])] == first_turn["input_ids"]
     assert (first_turn["reward"], second_turn["reward"]) == (1.25, 1.0)  # rewards on both sides of the crash
+    # the successor caught up to the policy published before the crash before it served
+    start = prompt_len(second_turn)
+    assert set(second_turn["versions"][start:]) == {current}
     status = httpx.get(f"{app.url}/rl/status", headers=app.admin).json()
     assert status["capacity"]["running"] == 0 and status["sessions"]["open_sessions"] == 0

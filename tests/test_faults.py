@@ -4,6 +4,7 @@ TrajectoryStore come back from disk; nothing acknowledged is lost or saved twice
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -60,7 +61,25 @@ def test_a_killed_session_store_resumes_every_open_session_from_its_journal(faul
             client.chat.completions.create(model="tiny-random", messages=messages, max_tokens=4)
     assert httpx.post(f"{app.url}/rl/end_session", headers=session(app, done["api_key"])).status_code == 200
 
-    kill_actor(ray_session, "sessions")
+    # a call in flight at the kill: B's next turn, held inside the store as it records
+    def hold_records(store):
+        async def held(*args, **kwargs):
+            store.holding = True
+            await asyncio.sleep(3600)
+
+        store.holding, store.owned.record = False, held
+
+    in_actor(ray_session, "sessions", hold_records)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(chat, app, open_b["api_key"], "in flight")
+        deadline = time.monotonic() + 60
+        while not in_actor(ray_session, "sessions", lambda store: store.holding):
+            assert time.monotonic() < deadline and not in_flight.done(), "the turn never reached the store"
+            time.sleep(0.2)
+        kill_actor(ray_session, "sessions")
+        refused = in_flight.result()
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["message"].startswith("session service unavailable: ")
 
     # A goes on where it was: the continuation of its first turn, a reward, the end
     messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "on"}]
@@ -83,6 +102,7 @@ def test_a_killed_session_store_resumes_every_open_session_from_its_journal(faul
     by_session = {}
     for record in records:
         by_session.setdefault(record["task_id"], []).append(record)
+    # B's turn that was in flight at the kill recorded nothing: B has its one turn from before
     assert sorted(by_session) == ["a", "b", "done"] and len(by_session["done"]) == 1 and len(by_session["b"]) == 1
     first_turn, second_turn = by_session["a"]  # a record per turn ("individual" export)
     # the second turn continued the first verbatim, across the crash
@@ -236,9 +256,26 @@ def test_a_killed_capacity_actor_comes_back_and_admission_stays_exact(faults, ra
 
     before = books()
     keys = [app.start_session(f"cap{i}")["api_key"] for i in range(2)]
-    kill_actor(ray_session, "capacity")
-    started = httpx.post(f"{app.url}/rl/start_session", json={"task_id": "cap2"}, headers=app.admin, timeout=60)
-    assert started.status_code == 200, started.text
+
+    # a call in flight at the kill: a start waiting for a slot (the actor admits nothing until it dies)
+    def admit_nothing(capacity):
+        def admits(*args):
+            capacity.waiting = True
+            return False
+
+        capacity.waiting, capacity._admits = False, admits
+
+    in_actor(ray_session, "capacity", admit_nothing)
+    body = {"task_id": "cap2", "wait_s": 120}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(httpx.post, f"{app.url}/rl/start_session", json=body, headers=app.admin, timeout=180)
+        deadline = time.monotonic() + 60
+        while not in_actor(ray_session, "capacity", lambda capacity: capacity.waiting):
+            assert time.monotonic() < deadline and not waiting.done(), "the start never reached the actor"
+            time.sleep(0.2)
+        kill_actor(ray_session, "capacity")
+        started = waiting.result()
+    assert started.status_code == 200, started.text  # it waited for the restart; nothing failed
     keys.append(started.json()["api_key"])
     assert books() == (before[0] + 3, before[1] + 3)
     for key in keys:
@@ -343,3 +380,32 @@ def test_a_restarted_application_ends_and_exports_the_sessions_it_had_open(fault
     assert httpx.post(f"{app.url}/rl/end_session", headers=session(app, key)).status_code == 410
     status = httpx.get(f"{app.url}/rl/status", headers=app.admin).json()
     assert status["sessions"]["open_sessions"] == 0 and status["capacity"]["running"] == 0
+
+
+def test_a_fresh_run_takes_over_nothing_an_earlier_run_of_its_name_left(ray_session, tmp_path, capsys):
+    """A run started without --resume under an earlier run's name: the earlier
+    run's PolicyStore, CapacityActor and SessionStore are gone (no weights, counts
+    or sessions inherited) and its session journal is set aside, not replayed."""
+    from actors.capacity import get_or_create_capacity
+    from actors.policy_store import get_or_create_policy_store
+    from train_driver import forget_earlier_run
+
+    run, run_dir = "rlgate-fresh-run", tmp_path / "fresh-run"
+    journal = run_dir / "sessions" / "journal.jsonl"
+    journal.parent.mkdir(parents=True)
+    journal.write_text('{"op": "open"}\n')
+    earlier = [
+        get_or_create_policy_store(f"{run}-policy", "rlgate", 0),
+        get_or_create_capacity(f"{run}-capacity", "rlgate", 4),
+    ]
+    ray_session.get([actor.__ray_ready__.remote() for actor in earlier])
+
+    forget_earlier_run(run, run_dir)
+    for actor in earlier:  # killed: a call fails (its name is freed a moment later)
+        with pytest.raises(ray_session.exceptions.RayActorError):
+            ray_session.get(actor.__ray_ready__.remote(), timeout=60)
+    assert not journal.exists()
+    [aside] = journal.parent.glob("journal-*.set-aside.jsonl")
+    assert aside.read_text() == '{"op": "open"}\n' and str(aside) in capsys.readouterr().out
+    forget_earlier_run(run, run_dir)  # nothing left to forget: nothing happens
+    assert list(journal.parent.iterdir()) == [aside]

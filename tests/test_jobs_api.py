@@ -261,9 +261,10 @@ def test_jobs_queue_beyond_capacity_and_cancel_mid_run(jobsgw, task_app, tmp_pat
     assert second.get_status()["status"] == "queued"  # max_running_jobs = 1
     listed = rlgate(jobsgw, "jobs", "list").stdout
     assert re.search(rf"{first.job_id}\s+running", listed) and re.search(rf"{second_id}\s+queued", listed)
-    with pytest.raises(RLGateError) as foreign:  # one job's key does not reach another job
-        RLJob.from_job_id(second.job_id, jobsgw.url, first.job_api_key).cancel()
-    assert foreign.value.status == 403
+    for touch in ("get_status", "cancel"):  # one job's key neither reads nor cancels another job
+        with pytest.raises(RLGateError) as foreign:
+            getattr(RLJob.from_job_id(second.job_id, jobsgw.url, first.job_api_key), touch)()
+        assert foreign.value.status == 403, touch
     assert first.cancel()["status"] == "cancelled"
     wait_for(second, {"running"})  # the queue moves on
     assert RLJob.from_job_id(second_id, jobsgw.url, second_key).cancel()["status"] == "cancelled"

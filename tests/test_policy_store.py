@@ -119,16 +119,24 @@ async def test_a_killed_policy_store_comes_back_and_gets_its_weights_again(ray_s
     try:
         weights = [ray_session.put({"w": 1})]
         await store.publish.remote(1, weights)
-        republisher.published(1, weights)
         await store.ack.remote("replica-a", 1)
 
         os.kill(await store.__ray_call__.remote(lambda self: os.getpid()), signal.SIGKILL)
         while True:  # a call that met the death fails, as a follower's does (it tries again)
             try:
-                version, [ref] = await store.newer_than.remote(0, 0)  # a restarting replica at version 0
+                status = await store.status.remote()
                 break
             except ray.exceptions.RayActorError:
                 await asyncio.sleep(0.2)
+        # back with its version and who serves what, knowing it lost the weights
+        assert status == {"version": 1, "serving": {"replica-a": 1}, "weights_lost": True}
+        # a replica restarting at version 0 waits for them rather than serve version 0's
+        waiting = store.newer_than.remote(0, 0)
+        done, _ = await asyncio.wait([asyncio.ensure_future(waiting)], timeout=2)
+        assert not done, "a replica behind was answered while the weights were lost"
+
+        republisher.published(1, weights)  # the trainer kept the reference: it publishes it again
+        version, [ref] = await asyncio.wait_for(waiting, 30)
         assert version == 1 and await ref == {"w": 1}
         status = await store.status.remote()
         assert status["serving"] == {"replica-a": 1} and not status["weights_lost"]

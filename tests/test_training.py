@@ -164,6 +164,7 @@ def test_a_killed_trainer_worker_and_an_interrupted_run_lose_and_repeat_nothing(
             driver.kill()
             driver.wait()
     assert driver.returncode == 0 and "rlgate: interrupted" in output, output[-3000:]
+    assert (run / "reward_curve.png").stat().st_size > 0  # written on the way out (the curve is drawn only then)
     stopped_at = steps()
     assert stopped_at in (2, 3)  # a step under way when Ctrl-C came may finish first
 
