@@ -283,13 +283,46 @@ def test_a_killed_capacity_actor_comes_back_and_admission_stays_exact(faults, ra
     assert books() == before
 
 
-def replica_pid(app_name: str) -> int:
+def replica_pid(app_name: str, deployment: str = "RolloutServer") -> int:
     [replica] = [
         p
         for p in psutil.process_iter(["cmdline"])
-        if f"ServeReplica:{app_name}:RolloutServer" in " ".join(p.info["cmdline"] or [])
+        if f"ServeReplica:{app_name}:{deployment}" in " ".join(p.info["cmdline"] or [])
     ]
     return replica.pid
+
+
+def test_a_killed_gateway_replica_loses_no_session(faults, ray_session):
+    """SIGKILL the Gateway replica (split shape: sessions in the SessionStore): the
+    requests that meet the dead replica get a 5xx from Serve's proxy; once Serve
+    has started its successor the same session goes on verbatim and is saved whole."""
+    app = faults
+    started = app.start_session("gateway-kill")
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"model": "tiny-random", "messages": messages, "max_tokens": 4}
+    url = f"{app.url}/v1/chat/completions"
+    first = httpx.post(url, json=body, headers=session(app, started["api_key"]), timeout=60)
+    assert first.status_code == 200, first.text
+
+    os.kill(replica_pid("gw-faults", "Gateway"), signal.SIGKILL)
+    messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]}]
+    body["messages"] = messages + [{"role": "user", "content": "on"}]
+    seen, deadline = [], time.monotonic() + 180
+    while True:
+        try:
+            second = httpx.post(url, json=body, headers=session(app, started["api_key"]), timeout=60)
+            seen.append(second.status_code)
+            if second.status_code < 500:
+                break
+        except httpx.TransportError as err:
+            seen.append(err.__class__.__name__)
+        assert time.monotonic() < deadline, f"no replica took over: {seen}"
+        time.sleep(0.5)
+    assert second.status_code == 200, (seen, second.text)
+    before = len(app.trajectories())
+    assert httpx.post(f"{app.url}/rl/end_session", headers=session(app, started["api_key"])).status_code == 200
+    first_turn, second_turn = app.trajectories()[before:]
+    assert second_turn["input_ids"][: len(first_turn["input_ids"])] == first_turn["input_ids"]
 
 
 def stream_lines(url: str, body: dict, key: str, flowing: threading.Event) -> list[str]:
