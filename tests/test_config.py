@@ -133,3 +133,20 @@ def test_the_serve_config_file_is_valid_and_names_our_deployments():
     assert {d.name for d in application.deployments} == {"Gateway", "RolloutServer"}
     rollout = next(d for d in application.deployments if d.name == "RolloutServer")
     assert rollout.autoscaling_config["min_replicas"] >= 1
+
+
+def test_the_documented_limits_are_the_defaults():
+    """The defaults SECURITY.md and docs/reliability.md state."""
+    import inspect
+
+    from actors.trajectory_store import READ_BYTES
+    from rlgate.journal import COMPACT_BYTES
+    from rlgate.serving.routing import OwnerRouter
+
+    gateway = parse_config({}).gateway
+    assert gateway.max_body_bytes == 4 * 2**20
+    assert (gateway.max_messages, gateway.max_n, gateway.max_completion_tokens) == (1024, 16, 4096)
+    assert (gateway.max_session_interactions, gateway.max_session_tokens) == (1024, 2**20)
+    assert READ_BYTES == 32 * 2**20 and COMPACT_BYTES == 64 * 2**20
+    waits = inspect.signature(OwnerRouter.initialize_state).parameters["owner_wait_s"]
+    assert waits.default == 120.0  # "up to two minutes" in the proxy for a restarting owner

@@ -427,9 +427,14 @@ def test_a_fresh_run_takes_over_nothing_an_earlier_run_of_its_name_left(ray_sess
     journal = run_dir / "sessions" / "journal.jsonl"
     journal.parent.mkdir(parents=True)
     journal.write_text('{"op": "open"}\n')
+    @ray_session.remote
+    class Sessions:  # stands in for the earlier run's SessionStore: what matters is its name
+        pass
+
     earlier = [
         get_or_create_policy_store(f"{run}-policy", "rlgate", 0),
         get_or_create_capacity(f"{run}-capacity", "rlgate", 4),
+        Sessions.options(name=f"{run}-sessions", namespace="rlgate", lifetime="detached").remote(),
     ]
     ray_session.get([actor.__ray_ready__.remote() for actor in earlier])
 

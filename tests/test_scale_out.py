@@ -8,6 +8,7 @@ successor."""
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 
 import httpx
@@ -73,6 +74,11 @@ def test_sessions_spread_stay_on_their_engine_and_survive_a_killed_replica(two):
     assert httpx.get(f"{direct[1]}/s/{on_one['api_key']}/v1/models").status_code == 200
     refused = httpx.get(f"{direct[0]}/s/{on_one['api_key']}/v1/models")
     assert refused.status_code == 421 and "replica 1" in refused.json()["error"]["message"]
+    # a made-up key with replica 1's slot reaches replica 1 (through Serve's proxy too) and is refused there
+    forged = f"rlg1-{secrets.token_urlsafe(32)}"
+    for base in (direct[1], app.url):
+        answer = httpx.get(f"{base}/s/{forged}/v1/models", timeout=60)
+        assert answer.status_code == 401 and answer.json()["error"]["message"], answer.text
 
     # a refresh through any replica reaches the key's owner: the old session ends, one opens under the key
     refreshed = next(s for s in started if key_slot(s["api_key"]) == 1)
