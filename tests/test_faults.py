@@ -427,6 +427,7 @@ def test_a_fresh_run_takes_over_nothing_an_earlier_run_of_its_name_left(ray_sess
     journal = run_dir / "sessions" / "journal.jsonl"
     journal.parent.mkdir(parents=True)
     journal.write_text('{"op": "open"}\n')
+
     @ray_session.remote
     class Sessions:  # stands in for the earlier run's SessionStore: what matters is its name
         pass
