@@ -451,3 +451,41 @@ async def test_a_restarted_capacity_actor_keeps_the_trainers_rule_and_its_group_
     }
     assert (after["running"], after["reserved"], after["rejected"]) == (4, 0, before["rejected"] + 1)
     ray_session.kill(actor)
+
+
+async def test_a_release_whose_answer_was_lost_counts_its_session_accepted_at_most_twice(make_capacity):
+    """The client cannot tell whether a release that met a restart was applied;
+    it recounts what it holds and notes the session accepted again: its slot is
+    free exactly once, and the accepted count errs high (admitting fewer)."""
+    from ray.exceptions import RayActorError
+
+    from actors.capacity import CapacityClient
+
+    capacity = make_capacity(2)
+
+    class AnswerLost:  # the release reaches the actor; its answer does not come back
+        def __init__(self, actor) -> None:
+            self.actor = actor
+
+        def __getattr__(self, name: str):
+            return getattr(self.actor, name)
+
+        @property
+        def release(self):
+            actor = self.actor
+
+            class Method:
+                @staticmethod
+                async def remote(*args):
+                    await actor.release.remote(*args)
+                    raise RayActorError()
+
+            return Method
+
+    held = ["one"]
+    client = CapacityClient(AnswerLost(capacity), "store", count=lambda: len(held))
+    assert await client.acquire()
+    held.pop()
+    await client.release(accepted=True)
+    stats = await capacity.stats.remote()
+    assert (stats["running"], stats["accepted"]) == (0, 2)  # the slot freed once; the session counted twice
