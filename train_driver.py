@@ -47,6 +47,8 @@ def main() -> int:
     parser.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
     parser.add_argument("--run-name", help="overrides [gateway] run_name (the run folder and actor names)")
     parser.add_argument("--run-dir", help="overrides [gateway] run_dir; give an absolute path under `ray job submit`")
+    parser.add_argument("--task-app", help="overrides [services] task_url")
+    parser.add_argument("--model", help="overrides [model] name")
     parser.add_argument(
         "--job-manager",
         help="run as an RL job of this JobManager actor (it sets this): take the task app's key from it, "
@@ -59,6 +61,10 @@ def main() -> int:
             config.gateway.run_name = args.run_name  # validated like the TOML key
         if args.run_dir is not None:
             config.gateway.run_dir = args.run_dir
+        if args.task_app is not None:
+            config.services.task_url = args.task_app
+        if args.model is not None:
+            config.model.name = args.model
     except (ConfigError, ValidationError) as err:
         raise SystemExit(f"rlgate: {err}") from None
     run_dir = Path(config.gateway.run_dir, config.gateway.run_name).resolve()

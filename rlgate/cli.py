@@ -4,12 +4,14 @@
     rlgate check-parity --model NAME [--engine auto|vllm|hf] [--tolerance X]
     rlgate chat [--config configs/chat.toml]
     rlgate serve [--config configs/serve.toml] [--host H] [--port P]
-    rlgate train --config X [--task-app URL] [--poll]          an RL job on a running gateway
+    rlgate train --config X [--task-app URL] [--resume]        train here (local Ray, started if none runs)
+    rlgate train --config X --backend URL [--task-app URL] [--poll]   an RL job on a running gateway
     rlgate jobs list | status ID | events ID | cancel ID
     rlgate session start --task-id T | reward --key K R | end --key K [--failed]
 
 The HTTP commands talk to ``--backend`` (default ``$RLGATE_URL``, else
-http://127.0.0.1:8000) with ``--api-key`` (default ``$RLGATE_ADMIN_KEY``).
+http://127.0.0.1:8000; for ``train``, no gateway means training here) with
+``--api-key`` (default ``$RLGATE_ADMIN_KEY``).
 Exit codes: 0 success, 1 a check or job failed, 2 bad usage or input.
 """
 
@@ -20,6 +22,7 @@ import json
 import os
 import sys
 
+from rlgate.client import DEFAULT_URL
 from rlgate.models import BUILTIN_DTYPES, ModelNotFoundError, prepare_model
 
 
@@ -48,20 +51,30 @@ def _parser() -> argparse.ArgumentParser:
 
     commands.add_parser("serve", help="run the gateway and rollout engines (serve_app.py)", add_help=False)
 
-    def http(command):
-        command.add_argument("--backend", default=os.environ.get("RLGATE_URL", "http://127.0.0.1:8000"))
+    def http(command, default_backend: str | None = DEFAULT_URL):
+        command.add_argument(
+            "--backend", default=os.environ.get("RLGATE_URL", default_backend), help="default $RLGATE_URL"
+        )
         command.add_argument("--api-key", default=os.environ.get("RLGATE_ADMIN_KEY"), help="default $RLGATE_ADMIN_KEY")
         return command
 
-    train = http(commands.add_parser("train", help="submit an RL job to a running gateway"))
+    train = http(
+        commands.add_parser(
+            "train",
+            help="train with a config: here (local Ray) or, with --backend or $RLGATE_URL, as a job on that gateway",
+        ),
+        default_backend=None,
+    )
     train.add_argument("--config", required=True, help="an RL TOML (rlgate's or synth-ai's shape)")
     train.add_argument("--task-app", help="the task app's base URL (overrides [services] task_url)")
     train.add_argument("--model", help="overrides [model] name")
     train.add_argument(
         "--task-app-key", default=os.environ.get("ENVIRONMENT_API_KEY"), help="default $ENVIRONMENT_API_KEY"
     )
-    train.add_argument("--idempotency-key", help="resubmitting with the same key returns the same job")
-    train.add_argument("--poll", action="store_true", help="follow the job with a live progress display")
+    train.add_argument("--idempotency-key", help="on a gateway: resubmitting with the same key returns the same job")
+    train.add_argument("--poll", action="store_true", help="on a gateway: follow the job with a live progress display")
+    train.add_argument("--resume", action="store_true", help="here: continue the run from its latest checkpoint")
+    train.add_argument("--run-dir", help="here: overrides [gateway] run_dir")
 
     jobs = commands.add_parser("jobs", help="RL jobs").add_subparsers(dest="action", required=True)
     http(jobs.add_parser("list", help="every job, newest first"))
@@ -93,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         serve()
         return 0
     args = _parser().parse_args(argv)
+    if args.command == "train" and args.backend is None:
+        return _train_here(args)
     if args.command in ("train", "jobs", "session"):
         from rlgate.client import RLGateError
 
@@ -168,6 +183,8 @@ def _http_command(args) -> int:
         raise RLGateError(401, "no API key given")
     show = lambda value: print(json.dumps(value, indent=2))  # noqa: E731
     if args.command == "train":
+        if args.resume or args.run_dir:
+            raise RLGateError(0, "--resume and --run-dir are for training here; a job on a gateway runs fresh")
         job = RLJob.from_config(
             args.config, args.backend, args.api_key, args.task_app, args.idempotency_key, args.model
         )
@@ -193,9 +210,26 @@ def _http_command(args) -> int:
         session = Session.start(args.backend, args.api_key, args.task_id, args.group_size, args.wait)
         show({"session_id": session.session_id, "api_key": session.api_key, "inference_url": session.inference_url})
         return 0
-    session = Session(args.backend, args.api_key, {"session_id": None, "api_key": args.key}, "")
+    session = Session.of_key(args.key, args.backend)
     show(session.set_reward(args.reward, args.interaction_id) if args.action == "reward" else session.end(args.failed))
     return 0
+
+
+def _train_here(args) -> int:
+    """``train_driver.py`` with this config, on this machine's Ray (started if none runs)."""
+    import train_driver
+
+    if args.idempotency_key or args.poll:
+        print("rlgate: error: --idempotency-key and --poll are for jobs on a gateway", file=sys.stderr)
+        print("rlgate: hint: give the gateway with --backend or RLGATE_URL", file=sys.stderr)
+        return 2
+    if args.task_app_key:
+        os.environ["ENVIRONMENT_API_KEY"] = args.task_app_key
+    driver = ["--config", args.config] + (["--resume"] if args.resume else [])
+    for flag, value in (("--run-dir", args.run_dir), ("--task-app", args.task_app), ("--model", args.model)):
+        driver += [flag, value] if value else []
+    sys.argv = ["rlgate train", *driver]
+    return train_driver.main()
 
 
 def _follow(job) -> int:

@@ -48,7 +48,7 @@ max_tokens = 12
 
 
 def driver_env(admin_key: str = "train-test-admin-key-0123") -> dict:
-    settings = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    settings = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RLGATE_URL")}
     return settings | {
         "RLGATE_ADMIN_KEY": admin_key,
         "RAY_AUTH_MODE": "disabled",
@@ -56,9 +56,13 @@ def driver_env(admin_key: str = "train-test-admin-key-0123") -> dict:
     }
 
 
-def train(path: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def train(
+    path: Path, *extra: str, env: dict | None = None, command: str = "train_driver.py"
+) -> subprocess.CompletedProcess:
+    """``train_driver.py`` (or ``command = "rlgate"``: ``rlgate train``, which runs it here) on ``path``."""
+    program = ["-m", "rlgate.cli", "train"] if command == "rlgate" else [command]
     return subprocess.run(
-        [sys.executable, "train_driver.py", "--config", str(path), *extra],
+        [sys.executable, *program, "--config", str(path), *extra],
         cwd=ROOT,
         env=driver_env() | (env or {}),
         capture_output=True,
@@ -168,7 +172,7 @@ def test_a_killed_trainer_worker_and_an_interrupted_run_lose_and_repeat_nothing(
     stopped_at = steps()
     assert stopped_at in (2, 3)  # a step under way when Ctrl-C came may finish first
 
-    resumed = train(path, "--resume")
+    resumed = train(path, "--resume", command="rlgate")  # `rlgate train` with no gateway: the run, here
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     metrics = lines(run / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3] and [m["version"] for m in metrics] == [1, 2, 3]

@@ -1,0 +1,218 @@
+"""The Python SDK (``rlgate.client``) against a small HTTP server speaking the
+gateway's job and session routes over real loopback HTTP: typed errors with
+the server's message, retries that honour Retry-After, one pooled connection
+per client, defaults from the environment, and the async variant."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from rlgate import client as sdk
+from tests.conftest import serve_asgi
+
+ADMIN = "admin-key-for-the-sdk-tests"
+
+
+def fake_gateway() -> tuple[FastAPI, dict]:
+    """Job and session routes with just enough behaviour; ``seen`` records each request."""
+    app, seen = FastAPI(), {"requests": [], "ports": [], "busy": 0}
+    jobs: dict[str, int] = {}
+
+    def refuse(status: int, message: str, retry_after: str | None = None) -> JSONResponse:
+        headers = {"Retry-After": retry_after} if retry_after is not None else None
+        return JSONResponse({"error": {"message": message}}, status_code=status, headers=headers)
+
+    @app.middleware("http")
+    async def note(request: Request, call_next):
+        body = await request.body()
+        seen["requests"].append((request.method, request.url.path, request.headers.get("authorization"), body))
+        seen["ports"].append(request.client.port)
+        if request.headers.get("authorization") not in (f"Bearer {ADMIN}", "Bearer job-key", "Bearer rlg-session"):
+            return refuse(401, "invalid API key")
+        return await call_next(request)
+
+    @app.post("/api/rl/jobs")
+    async def submit(request: Request):
+        body = await request.json()
+        if body["data"]["config"].get("training", {}).get("batch_size") == 7:
+            return refuse(422, "training.batch_size: not a multiple of group_size")
+        job_id = request.headers.get("idempotency-key") or f"job-{len(jobs)}"
+        jobs.setdefault(job_id, 0)
+        return {"job_id": job_id, "status": "queued", "api_key": "job-key"}
+
+    @app.get("/api/rl/jobs/{job_id}")
+    async def status(job_id: str, request: Request):
+        if job_id not in jobs:
+            return refuse(404, f"no job {job_id}")
+        if request.headers["authorization"] == "Bearer job-key" and job_id != "job-0":
+            return refuse(403, "this key belongs to another job")
+        jobs[job_id] += 1
+        done = jobs[job_id] >= 3
+        results = {"final_reward": 0.75, "checkpoints": [], "model_path": "/m"} if done else None
+        return {"job_id": job_id, "status": "succeeded" if done else "running", "results": results}
+
+    @app.get("/api/rl/jobs/{job_id}/metrics")
+    async def metrics(job_id: str, after_step: int = 0):
+        return {"points": [{"step": s} for s in range(after_step + 1, 4)]}
+
+    @app.post("/rl/start_session")
+    async def start(request: Request):
+        seen["busy"] += 1
+        if seen["busy"] <= 2:  # no capacity twice, then a slot
+            return refuse(429, "no capacity for a new session; retry later", retry_after="0")
+        return {"session_id": "s1", "api_key": "rlg-session", "inference_url": "http://x/s/rlg-session/v1"}
+
+    @app.post("/rl/set_reward")
+    async def reward(request: Request):
+        return {"message": "reward set", "interaction_id": "i1"}
+
+    @app.post("/rl/end_session")
+    async def end(request: Request):
+        return {"message": "ended", "interactions": 1}
+
+    @app.get("/down")
+    async def down():
+        return refuse(503, "session service unavailable: ActorDiedError; retry", retry_after="0")
+
+    return app, seen
+
+
+@pytest.fixture
+def gateway():
+    app, seen = fake_gateway()
+    with serve_asgi(app) as url:
+        yield url, seen
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\nname = "tiny-random"\n[training]\nbatch_size = 8\ngroup_size = 4\n')
+    return path
+
+
+def test_a_job_is_submitted_polled_and_read_over_one_connection(gateway, config):
+    url, seen = gateway
+    with sdk.Client(url, ADMIN) as client:
+        job = sdk.RLJob.from_config(config, client=client, task_app_url="http://127.0.0.1:9", idempotency_key="k1")
+        assert job.submit() == "k1" and job.job_api_key == "job-key"
+        statuses = []
+        final = job.poll_until_complete(timeout=60, interval=0.01, on_status=lambda s: statuses.append(s["status"]))
+        assert final["status"] == "succeeded" and statuses == ["running", "running", "succeeded"]
+        assert job.get_results()["final_reward"] == 0.75 and job.metrics(after_step=1) == [{"step": 2}, {"step": 3}]
+    [(_, _, _, body)] = [r for r in seen["requests"] if r[:2] == ("POST", "/api/rl/jobs")]
+    sent = httpx.Response(200, content=body).json()
+    assert sent["job_type"] == "rl" and sent["data"]["endpoint_base_url"] == "http://127.0.0.1:9"
+    assert sent["data"]["config"]["training"] == {"batch_size": 8, "group_size": 4}
+    assert len(set(seen["ports"])) == 1  # every call on the client's one pooled connection
+
+
+def test_refusals_are_typed_and_carry_the_servers_message(gateway, config, tmp_path):
+    url, _ = gateway
+    with sdk.Client(url, ADMIN) as client:
+        with pytest.raises(sdk.NotFoundError, match="404: no job job-9"):
+            sdk.RLJob.from_job_id("job-9", client=client).get_status()
+        bad = tmp_path / "bad.toml"
+        bad.write_text("[training]\nbatch_size = 7\n")
+        with pytest.raises(sdk.UnprocessableEntityError, match="not a multiple") as refused:
+            sdk.RLJob.from_config(bad, client=client).submit()
+        assert refused.value.status == 422 and isinstance(refused.value, sdk.RLGateError)
+    with pytest.raises(sdk.AuthenticationError, match="invalid API key"):
+        sdk.RLJob.from_job_id("job-0", url, "wrong").get_status()
+    with sdk.Client(url, ADMIN) as client:
+        sdk.RLJob.from_config(config, client=client).submit()  # job-0
+        sdk.RLJob.from_config(config, client=client).submit()  # job-1
+    with pytest.raises(sdk.PermissionDeniedError, match="another job"):
+        sdk.RLJob.from_job_id("job-1", url, "job-key").get_status()
+    with pytest.raises(sdk.APIConnectionError) as unreachable:
+        sdk.Client("http://127.0.0.1:9", ADMIN, max_retries=0).list_jobs()
+    assert unreachable.value.status == 0
+
+
+def test_429_and_503_are_retried_as_the_server_says_then_raised(gateway):
+    url, seen = gateway
+    with sdk.Client(url, ADMIN) as client:
+        session = sdk.Session.start(task_id="t", client=client)  # two 429s (Retry-After: 0), then a slot
+        assert session.api_key == "rlg-session" and seen["busy"] == 3
+        with pytest.raises(sdk.InternalServerError, match="503: session service unavailable"):
+            client.request("GET", "/down")
+        assert sum(r[1] == "/down" for r in seen["requests"]) == 3  # the first try and max_retries = 2
+    with pytest.raises(sdk.RateLimitError):
+        seen["busy"] = 0
+        sdk.Session.start(url, ADMIN, task_id="t", client=sdk.Client(url, ADMIN, max_retries=1))
+
+
+def test_the_wait_before_a_retry_is_the_servers_retry_after_else_a_growing_backoff():
+    def answer(retry_after: str | None) -> httpx.Response:
+        return httpx.Response(503, headers={"Retry-After": retry_after} if retry_after else {})
+
+    assert sdk._wait_s(0, answer("7")) == 7.0
+    assert sdk._wait_s(0, answer("3600")) == sdk.MAX_RETRY_AFTER_S  # capped
+    assert 0.375 <= sdk._wait_s(0, answer(None)) <= 0.625  # 0.5 s +- 25%
+    assert 3.0 <= sdk._wait_s(3, None) <= 5.0 and sdk._wait_s(10, None) <= 10.0  # doubling, at most 8 s (+25%)
+
+
+def test_the_client_defaults_to_the_environment(gateway, monkeypatch):
+    url, seen = gateway
+    monkeypatch.setenv("RLGATE_URL", url + "/")
+    monkeypatch.setenv("RLGATE_ADMIN_KEY", ADMIN)
+    with sdk.Client() as client:
+        assert client.base_url == url
+        session = sdk.Session.start(task_id="t", client=client)
+        assert seen["requests"][-1][2] == f"Bearer {ADMIN}"
+        session.set_reward(0.0, turn_rewards=[0.5, 1.0])
+    method, path, key, body = seen["requests"][-1]
+    assert (path, key) == ("/rl/set_reward", "Bearer rlg-session")  # a session's calls carry its own key
+    assert httpx.Response(200, content=body).json() == {"reward": 0.0, "turn_rewards": [0.5, 1.0]}
+    monkeypatch.delenv("RLGATE_ADMIN_KEY")
+    with pytest.raises(sdk.AuthenticationError, match="RLGATE_ADMIN_KEY"):
+        sdk.Client().list_jobs()
+
+
+def test_the_async_client_is_the_same_api_with_await(gateway, config):
+    url, seen = gateway
+
+    async def run() -> None:
+        async with sdk.AsyncClient(url, ADMIN) as client:
+            job = sdk.AsyncRLJob.from_config(config, client=client)
+            assert await job.submit() == "job-0"
+            final = await job.poll_until_complete(timeout=60, interval=0.01)
+            assert final["status"] == "succeeded" and (await job.get_results())["final_reward"] == 0.75
+            async with await sdk.AsyncSession.start(task_id="t", client=client) as session:
+                await session.set_reward(1.0)
+        assert [r[1] for r in seen["requests"][-2:]] == ["/rl/set_reward", "/rl/end_session"]
+
+    asyncio.run(run())
+    assert len(set(seen["ports"])) == 1
+
+
+def test_rlgate_train_runs_here_without_a_gateway_and_submits_with_one(gateway, config, tmp_path):
+    """No --backend and no $RLGATE_URL: the run is trained here (train_driver.py's own
+    errors come back); with one, the job is submitted there. Options for the other
+    mode are refused, not ignored."""
+    import os
+    import subprocess
+    import sys
+
+    url, _ = gateway
+    env = {k: v for k, v in os.environ.items() if k not in ("RLGATE_URL", "RLGATE_ADMIN_KEY")}
+
+    def rlgate(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "rlgate.cli", "train", "--config", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[training]\nbatch_size = 0\n")
+    here = rlgate(str(broken))  # refused by the driver before Ray starts
+    assert here.returncode != 0 and "batch_size" in here.stderr and "Traceback" not in here.stderr
+    polled = rlgate(str(config), "--poll")
+    assert polled.returncode == 2 and "--backend or RLGATE_URL" in polled.stderr
+    submitted = rlgate(str(config), "--backend", url, "--api-key", ADMIN)
+    assert submitted.returncode == 0 and "rlgate: job job-0 submitted" in submitted.stdout
+    resumed = rlgate(str(config), "--backend", url, "--api-key", ADMIN, "--resume")
+    assert resumed.returncode == 2 and "--resume and --run-dir are for training here" in resumed.stderr
