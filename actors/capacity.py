@@ -87,7 +87,9 @@ class CapacityActor:
             "accepted_base": self.accepted_base,
             "version_base": self.version_base,
             "discarded": self.discarded,
-            "reservations": asdict(self.reservations),
+            # Groups under way only: `early` (up to 10,000 tasks seen before a trainer attached) would
+            # make every write O(tasks). Forgotten, such a group reserves its full size: fewer admitted.
+            "reservations": {"pending": self.reservations.pending},
             "generations": self.generations,
         }
 
@@ -97,9 +99,8 @@ class CapacityActor:
         self.accepted, self.rejected, self.version = state["accepted"], state["rejected"], state["version"]
         self.accepted_base, self.version_base = state["accepted_base"], state["version_base"]
         self.discarded = state["discarded"]
-        reservations = state["reservations"]
-        reservations["pending"] = {task: tuple(held) for task, held in reservations["pending"].items()}
-        self.reservations = GroupReservations(**reservations)
+        pending = state["reservations"]["pending"]
+        self.reservations = GroupReservations(pending={task: tuple(held) for task, held in pending.items()})
         self.unknown = set(self.held)
 
     def _save(self) -> None:

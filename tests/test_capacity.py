@@ -489,3 +489,20 @@ async def test_a_release_whose_answer_was_lost_counts_its_session_accepted_at_mo
     await client.release(accepted=True)
     stats = await capacity.stats.remote()
     assert (stats["running"], stats["accepted"]) == (0, 2)  # the slot freed once; the session counted twice
+
+
+async def test_the_state_written_on_every_change_does_not_grow_with_the_sessions_seen(tmp_path, ray_session):
+    """Each acquire and release writes the state file: it holds counts and the groups
+    under way, not every task seen, so a write costs the same after many sessions."""
+    from actors.capacity import get_or_create_capacity
+
+    path = tmp_path / "capacity.json"
+    actor = get_or_create_capacity(f"capacity-{uuid.uuid4().hex}", NAMESPACE, 4, str(path))
+    sizes = []
+    for batch in range(2):
+        for i in range(500):
+            assert await actor.acquire.remote(0.0, f"task-{batch}-{i}")
+            await actor.release.remote(True)
+        sizes.append(path.stat().st_size)
+    assert sizes[1] - sizes[0] <= 8 and sizes[1] < 2048, sizes  # a digit more in a counter, no more
+    ray_session.kill(actor)
