@@ -178,13 +178,14 @@ class JobManager:
             return jobs.JobCreated(job_id=job.job_id, status=job.status).model_dump()
         try:
             request = jobs.JobRequest.model_validate(body)
-            config = jobs.job_config(request)
+            config, ignored = jobs.job_plan(request)
         except ValidationError as err:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
             raise SessionError(422, f"invalid job request: {problems}") from None
         except ConfigError as err:
             raise SessionError(422, f"invalid job config: {err}") from None
         config.jobs = self.jobs_section.model_copy()  # the operator's rule, not the job's; its driver checks it too
+        config.model.name = config.jobs.models.get(config.model.name, config.model.name)
         if config.services.task_url is not None:
             try:
                 await asyncio.to_thread(check_url, config.services.task_url, config.jobs.allowlist())
@@ -223,6 +224,10 @@ class JobManager:
             self.idempotency[idempotency_key] = job_id
         self._save(job_id, idempotency_key)
         self._event(job_id, "rl.created", f"job created: {config.model.name}, {config.training.total_steps} steps")
+        if ignored:  # synth-ai keys that change nothing here, each named once
+            names = ", ".join(item.split(":", 1)[0] for item in ignored)
+            message = f"config keys that change nothing here: {names}"
+            self._event(job_id, "rl.config.ignored", message, {"keys": ignored})
         await self._start_queued()
         return jobs.JobCreated(job_id=job_id, status=self.jobs[job_id].status, api_key=key).model_dump()
 

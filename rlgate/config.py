@@ -290,6 +290,12 @@ class JobsConfig(_Section):
         "host names, IP addresses or networks such as 10.0.0.0/8. Public addresses need no entry.",
     )
 
+    models: dict[str, str] = Field(
+        default_factory=dict,
+        description="Model names a job may ask for, mapped to what this cluster loads (a local folder, a built-in "
+        'or a cached Hugging Face id): synth-ai\'s SDK only sends the ids it knows, e.g. "Qwen/Qwen3-0.6B".',
+    )
+
     @field_validator("task_app_hosts")
     @classmethod
     def _entries(cls, entries: list[str]) -> list[str]:
@@ -325,8 +331,10 @@ class TaskConfig(_Section):
         10, ge=1, le=10_000, description="Most turns per episode; a task app gets it as env.config.max_turns."
     )
     max_concurrent: int = Field(8, ge=1, le=10_000, description="Most episodes in flight against the task app.")
+    seed_start: int = Field(0, ge=0, description="Task app: the first training seed when [task] seeds is empty.")
     seeds: list[int] = Field(
-        default_factory=list, description="Task app: training seeds, a group per seed in turn (empty: 0, 1, 2, ...)."
+        default_factory=list,
+        description="Task app: training seeds, a group per seed in turn (empty: seed_start, seed_start + 1, ...).",
     )
     rollout_timeout_s: float = Field(600.0, gt=0, description="Task app: most seconds one POST /rollout may take.")
     down_after_s: float = Field(
@@ -337,6 +345,9 @@ class TaskConfig(_Section):
 class EvaluationConfig(_Section):
     every_n_iters: int = Field(0, ge=0, description="Evaluate every N steps on held-out seeds (0: never).")
     seeds: list[int] = Field(default_factory=list, description="Held-out seeds evaluated each time.")
+    env_config: dict = Field(
+        default_factory=dict, description="Merged over [task] env_config for evaluation episodes (e.g. a split)."
+    )
 
 
 class RLGateConfig(_Section):
@@ -412,6 +423,8 @@ def parse_config(data: dict, source: str = "config") -> RLGateConfig:
     if is_synth_shape(data):
         try:
             data = from_synth(data, source)
+        except ConfigError:
+            raise
         except (TypeError, ValueError, AttributeError) as err:  # e.g. a number where a table was due
             raise ConfigError(f"{source}: a synth-ai key has a value of the wrong type: {err}") from None
     try:

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlgate.config import ConfigError, RLGateConfig, parse_config
-from rlgate.synth import from_synth, is_synth_shape
+from rlgate.synth import from_synth, is_synth_shape, map_synth
 
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -109,13 +109,21 @@ class Event(BaseModel):
 
 def job_config(request: JobRequest) -> RLGateConfig:
     """The request's validated config; ConfigError names every field that is wrong."""
+    return job_plan(request)[0]
+
+
+def job_plan(request: JobRequest) -> tuple[RLGateConfig, list[str]]:
+    """The request's validated config and the synth-ai keys it carries that change
+    nothing here ("section.key: why"); ConfigError names every field that is wrong."""
     try:
         return _job_config(request)
+    except ConfigError:
+        raise
     except (TypeError, ValueError, AttributeError) as err:  # a value of the wrong type where a table was due
         raise ConfigError(f"config: a value has the wrong type: {err}") from None
 
 
-def _job_config(request: JobRequest) -> RLGateConfig:
+def _job_config(request: JobRequest) -> tuple[RLGateConfig, list[str]]:
     given = [name for name in ("data", "config", "config_toml") if getattr(request, name) is not None]
     if len(given) != 1:
         raise ConfigError(
@@ -141,6 +149,15 @@ def _job_config(request: JobRequest) -> RLGateConfig:
             for section, values in from_synth({"compute": request.compute}, "compute").items():
                 raw[section] = {**raw.get(section, {}), **values}
     source = "data.config" if request.data is not None else "config"
+    ignored: list[str] = []
+    if is_synth_shape(raw):
+        try:
+            mapped = map_synth(raw, source)
+        except (TypeError, ValueError, AttributeError) as err:
+            if isinstance(err, ConfigError):
+                raise
+            raise ConfigError(f"{source}: a synth-ai key has a value of the wrong type: {err}") from None
+        raw, ignored = mapped.config, mapped.ignored
     config = parse_config(raw, source=source)
     model = data.model or data.base_model
     if model:
@@ -149,7 +166,7 @@ def _job_config(request: JobRequest) -> RLGateConfig:
         raise ConfigError(
             f"{source}: a job needs episodes: set [services] task_url (or data.endpoint_base_url) or [task] builtin"
         )
-    return config
+    return config, ignored
 
 
 def progress(metrics: list[dict], total_steps: int) -> dict[str, Any]:

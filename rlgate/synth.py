@@ -1,39 +1,91 @@
-"""The synth-ai RL TOML shape, mapped onto rlgate's config.
+"""The synth-ai RL TOML shape, mapped onto rlgate's config with synth-ai's meaning.
 
 A config is recognised as synth-ai's when it has ``[model] base``/``source``/
-``trainer_mode``, ``[algorithm] type``/``method``, or a ``[topology]`` or
-``[policy]`` section. Every key of that shape is mapped, accepted with a
-stated reason, or refused by name: nothing is dropped silently.
+``trainer_mode``, ``[algorithm] type``/``method``, a top-level ``type``, or a
+``[topology]``, ``[policy]`` or ``[data]`` section. Every key is mapped,
+ignored with a stated reason (it changes nothing here; :func:`map_synth`
+returns them so a job can list them), or refused by name when rlgate cannot
+honour it and its absence would change the results. Nothing is dropped
+silently.
 
-    [algorithm] type = "online", method = "policy_gradient", variety -> [algorithm] variety
+    type = "rl"; [algorithm] type = "online", method = "policy_gradient", variety -> [algorithm] variety
     [model] base -> [model] name; label -> [gateway] served_model_name; trainer_mode = "full"
-    [services] task_url -> [services] task_url; [jobs] task_app_hosts (rlgate's own) -> [jobs] task_app_hosts
+    [policy] model (when [model] has no base) -> [model] name; max_tokens, temperature, top_p, top_k,
+             repetition_penalty, stop_sequences -> [task] policy_config (the sampling the task app asks for)
+    [services] task_url -> [services] task_url
     [rollout] env_name, policy_name, env_config, policy_config, max_turns, ops,
-              max_concurrent_rollouts -> [task]; episodes_per_batch -> [training] batch_size
-    [training] batch_size, group_size, learning_rate; gradient_accumulation_steps -> grad_accumulation;
+              max_concurrent_rollouts -> [task]
+    [training] batch_size counts groups: sessions per step = batch_size x group_size; or
+               [rollout] episodes_per_batch sessions per step (both given: they must agree);
+               group_size, learning_rate; gradient_accumulation_steps -> grad_accumulation;
                num_epochs x iterations_per_epoch -> total_steps; max_turns -> [task] max_turns
-    [training] weight_sync (enable, mode "full"), weight_sync_verify_checksums: accepted
-    [compute] gpu_type ("cpu": no GPUs), gpu_count; [topology] gpus_for_vllm, gpus_for_training,
-              tensor_parallel -> [rollout] tensor_parallel_size, gpus_for_ref = 0
-    [reference] placement = "none"; [judge], [verifier], [rubric] (enabled) are refused
+    [training] weight_sync (enable, mode "full", targets ["policy"]): every step pushes full weights
+    [compute] gpu_type ("cpu": no GPUs), gpu_count; [topology] or [compute.topology] gpus_for_vllm,
+              gpus_for_training, tensor_parallel -> [rollout] tensor_parallel_size
+    [reference] placement (or [compute.topology] reference_placement): "none", or a KL reference
+              (rlgate keeps it in the trainer: [algorithm] kl_coef, 0.04 unless set)
     [vllm] max_model_len, gpu_memory_utilization, tensor_parallel_size -> [rollout]
-    [evaluation] every_n_iters, seeds -> [evaluation]; instances = number of seeds
+    [evaluation] every_n_iters, seeds; instances episodes (the seeds in turn) -> [evaluation] seeds
+    [data] seed_start -> [task] seed_start; split -> [task] env_config.split;
+           evaluation_split -> [evaluation] env_config.split
     [tags] -> tags
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from rlgate.config import ConfigError
 
 _SYNTH_MARKERS = {"model": {"base", "source", "trainer_mode", "label"}, "algorithm": {"type", "method"}}
+REFERENCE_KL = 0.04  # [algorithm] kl_coef for a synth-ai config that asks for a reference model
+SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "stop_sequences")
+
+# Keys that change nothing here, and why (listed in a job's events).
+IGNORED = {
+    "policy.inference_url": "rlgate serves the policy itself: each episode gets its session's URL",
+    "policy.trainer_mode": "as [model] trainer_mode",
+    "policy.label": "as [model] label",
+    "policy.source": "as [model] source",
+    "data.episodes_per_iteration": "rlgate counts steps: [training] num_epochs x iterations_per_epoch",
+    "data.evaluation_episodes": "rlgate evaluates [evaluation] instances episodes",
+    "training.reward_positive": "rewards are the task app's, as it answers them",
+    "training.reward_negative_no_tool": "rewards are the task app's, as it answers them",
+    "training.reward_negative_no_answer": "rewards are the task app's, as it answers them",
+    "training.log_interval": "rlgate logs every step",
+    "training.max_accumulated_minibatch": "micro-batches follow gradient_accumulation_steps",
+    "training.weight_sync_verify_checksums": "every push is exact (see README: weight sync)",
+    "training.step_rewards_mode": "with step_rewards_beta = 0 step rewards weigh nothing",
+    "training.step_rewards_indicator_lambda": "with step_rewards_beta = 0 step rewards weigh nothing",
+    "training.step_rewards_beta": "0: step rewards weigh nothing",
+    "training.step_rewards_strategy": "with step_rewards_beta = 0 step rewards weigh nothing",
+    "training.event_rewards_kind": "with step_rewards_beta = 0 step rewards weigh nothing",
+    "training.step_rewards_enabled": "with step_rewards_beta = 0 step rewards weigh nothing",
+    "reference.port": "the reference model runs inside the trainer",
+    "reference.tp": "the reference model runs inside the trainer",
+    "reference.health_max_wait_s": "the reference model runs inside the trainer",
+    "reference.health_interval_ms": "the reference model runs inside the trainer",
+    "topology.type": "placement follows the GPU counts",
+    "topology.gpus_for_ref": "the reference model runs inside the trainer, on its GPUs",
+    "compute.nodes": "Ray places the run on the cluster's nodes",
+}
 
 
 def is_synth_shape(data: dict) -> bool:
-    if "topology" in data or "policy" in data:
+    if data.get("type") == "rl" or any(section in data for section in ("topology", "policy", "data")):
         return True
     return any(
         isinstance(data.get(section), dict) and keys & set(data[section]) for section, keys in _SYNTH_MARKERS.items()
     )
+
+
+@dataclass
+class Mapped:
+    """A synth-ai config as rlgate's (``config``, a mapping for ``parse_config``)
+    and the keys that change nothing here (``ignored``: "section.key: why")."""
+
+    config: dict
+    ignored: list[str] = field(default_factory=list)
 
 
 class _Mapper:
@@ -43,6 +95,7 @@ class _Mapper:
         self.data, self.source = data, source
         self.out: dict[str, dict] = {}
         self.used: set[str] = set()
+        self.ignored: list[str] = []
 
     def get(self, section: str, key: str, default=None):
         self.used.add(f"{section}.{key}")
@@ -54,6 +107,14 @@ class _Mapper:
 
     def refuse(self, where: str, why: str) -> None:
         raise ConfigError(f"{self.source}: {where}: {why}")
+
+    def ignore_known(self) -> None:
+        """Every key present that :data:`IGNORED` names: used, and listed with its reason."""
+        for name, why in IGNORED.items():
+            section, key = name.split(".")
+            if name not in self.used and key in (self.data.get(section) or {}):
+                self.used.add(name)
+                self.ignored.append(f"{name}: {why}")
 
     def unused(self) -> list[str]:
         keys = []
@@ -67,83 +128,86 @@ class _Mapper:
 
 def from_synth(data: dict, source: str = "config") -> dict:
     """rlgate's config mapping for a synth-ai RL config; ConfigError names what cannot be honoured."""
+    return map_synth(data, source).config
+
+
+def map_synth(data: dict, source: str = "config") -> Mapped:
+    """The mapping and the ignored keys of a synth-ai RL config; ConfigError names what cannot be honoured."""
+    data = _with_compute_topology(data)
     m = _Mapper(data, source)
+    m.used.add("type")
+    if data.get("type", "rl") != "rl":
+        m.refuse("type", f'{data["type"]!r}: this is an RL config endpoint; use type = "rl"')
     # [algorithm]
     if m.get("algorithm", "type", "online") != "online":
         m.refuse("algorithm.type", "only 'online' RL is supported")
     if m.get("algorithm", "method", "policy_gradient") != "policy_gradient":
         m.refuse("algorithm.method", "only 'policy_gradient' is supported")
     m.put("algorithm", "variety", m.get("algorithm", "variety"))
-    # [model]
+    # [model], [policy]
     if m.get("model", "source"):
         m.refuse(
             "model.source",
             "continuing from a hosted checkpoint id is not supported; set [model] base to a "
             "local folder, a cached Hugging Face id or a built-in model",
         )
-    m.put("model", "name", m.get("model", "base"))
+    base, policy_model = m.get("model", "base"), m.get("policy", "model") or m.get("policy", "model_name")
+    if base and policy_model and policy_model != base:
+        m.refuse("policy.model", f"{policy_model!r} differs from [model] base {base!r}; name one model")
+    m.put("model", "name", base or policy_model)
     if m.get("model", "trainer_mode", "full") != "full":
         m.refuse("model.trainer_mode", "only full fine-tuning ('full') is supported; LoRA is not")
     m.put("gateway", "served_model_name", m.get("model", "label"))
-    if "policy" in data:
-        m.refuse("policy", "the [policy] section is not supported; use [model] base")
+    sampling = {key: m.get("policy", key) for key in SAMPLING if m.get("policy", key) is not None}
     # [services]
     m.put("services", "task_url", m.get("services", "task_url"))
     m.put("jobs", "task_app_hosts", m.get("jobs", "task_app_hosts"))  # a submitted job gets the gateway's instead
     if m.get("services", "verifier_url"):
         m.refuse("services.verifier_url", "hosted verifiers are not supported; the task app returns rewards")
-    # [rollout] -> [task], [training]
-    for key in ("env_name", "policy_name", "env_config", "policy_config", "max_turns"):
+    # [rollout] -> [task]
+    for key in ("env_name", "policy_name", "env_config", "max_turns"):
         m.put("task", key, m.get("rollout", key))
+    policy_config = m.get("rollout", "policy_config") or {}
+    m.put("task", "policy_config", {**sampling, **policy_config} or None)
     m.put("task", "max_concurrent", m.get("rollout", "max_concurrent_rollouts"))
     m.put("task", "ops", m.get("rollout", "ops"))
-    episodes = m.get("rollout", "episodes_per_batch")
     if m.get("rollout", "batches_per_step", 1) not in (None, 1):
         m.refuse("rollout.batches_per_step", "one batch per step is supported")
+    # [data]
+    m.put("task", "seed_start", m.get("data", "seed_start"))
+    if m.get("data", "split") is not None:  # the task's own env_config wins
+        task = m.out.setdefault("task", {})
+        task["env_config"] = {"split": data["data"]["split"], **task.get("env_config", {})}
+    if m.get("data", "evaluation_split") is not None:
+        m.put("evaluation", "env_config", {"split": data["data"]["evaluation_split"]})
     # [training]
-    for key in ("batch_size", "group_size", "learning_rate"):
-        m.put("training", key, m.get("training", key))
-    if episodes is not None and "batch_size" not in m.out.get("training", {}):
-        m.put("training", "batch_size", episodes)
+    _map_batch(m)
+    m.put("training", "learning_rate", m.get("training", "learning_rate"))
     m.put("training", "grad_accumulation", m.get("training", "gradient_accumulation_steps"))
     epochs, iterations = m.get("training", "num_epochs"), m.get("training", "iterations_per_epoch")
     if epochs is not None or iterations is not None:
         m.put("training", "total_steps", (epochs or 1) * (iterations or 1))
     if m.get("training", "max_turns") is not None:
         m.put("task", "max_turns", m.get("training", "max_turns"))
-    m.get("training", "log_interval")  # accepted: rlgate logs every step
-    m.get("training", "max_accumulated_minibatch")  # accepted: micro-batches follow grad_accumulation
     if m.get("training", "weight_sync_interval", 1) not in (None, 1):
         m.refuse("training.weight_sync_interval", "weights are pushed after every step (1)")
-    for key in ("lora", "rewards", "step_rewards_enabled"):
+    for key in ("lora", "rewards"):
         if m.get("training", key):
             m.refuse(f"training.{key}", "not supported; remove it")
-    sync = m.get("training", "weight_sync") or {}
-    if sync.get("enable") is False:
-        m.refuse("training.weight_sync.enable", "weights are always pushed to the engines after each step")
-    if sync.get("mode", "full") != "full":
-        m.refuse("training.weight_sync.mode", "only full weights are pushed ('full')")
-    m.get("training", "weight_sync_verify_checksums")  # accepted: every push is exact (see README: weight sync)
-    for key in (
-        "step_rewards_mode",
-        "step_rewards_indicator_lambda",
-        "step_rewards_beta",
-        "step_rewards_strategy",
-        "event_rewards_kind",
-    ):
-        if m.get("training", key) not in (None, "off"):
-            m.refuse(f"training.{key}", "step rewards are not supported; the task app's outcome reward is used")
+    _map_weight_sync(m)
+    training = data.get("training") or {}  # read, not used: with beta 0 these keys are listed as ignored
+    if training.get("step_rewards_enabled") and training.get("step_rewards_beta", 0) not in (None, 0):
+        m.refuse(
+            "training.step_rewards_beta",
+            "weighted step rewards are not supported; rlgate takes the task app's metrics.event_rewards as "
+            "per-turn rewards as they are; set step_rewards_beta = 0 or leave step rewards off",
+        )
     # [vllm], then [compute] and [topology] (whose tensor_parallel wins)
     for key in ("max_model_len", "gpu_memory_utilization", "tensor_parallel_size"):
         m.put("rollout", key, m.get("vllm", key))
     _map_compute(m)
-    # [evaluation]
-    seeds = m.get("evaluation", "seeds")
-    m.put("evaluation", "seeds", seeds)
-    m.put("evaluation", "every_n_iters", m.get("evaluation", "every_n_iters"))
-    instances = m.get("evaluation", "instances")
-    if instances is not None and seeds is not None and instances != len(seeds):
-        m.refuse("evaluation.instances", f"must equal the number of seeds ({len(seeds)})")
+    _map_reference(m)
+    _map_evaluation(m)
     # everything else
     if "tags" in data:
         m.used.update(f"tags.{key}" for key in data["tags"])
@@ -157,30 +221,83 @@ def from_synth(data: dict, source: str = "config") -> dict:
     if data.get("lora"):
         m.refuse("lora", "not supported; remove it")
     m.used.update(f"lora.{key}" for key in data.get("lora", {}))
-    if data.get("reference", {}).get("placement", "none") != "none":
-        m.refuse("reference.placement", "a reference model runs in the trainer ([algorithm] kl_coef); use 'none'")
-    m.used.update(f"reference.{key}" for key in data.get("reference", {}))
     if data.get("judge"):
         m.refuse("judge", "LLM judges are not supported; the task app returns rewards")
+    m.ignore_known()
     leftover = m.unused()
     if leftover:
         m.refuse(
             leftover[0],
             "unknown key in a synth-ai config" + (f" (and {len(leftover) - 1} more)" if len(leftover) > 1 else ""),
         )
-    return m.out
+    return Mapped(m.out, m.ignored)
+
+
+def _with_compute_topology(data: dict) -> dict:
+    """``[compute.topology]`` (what synth-ai's SDK sends) folded into ``[topology]``."""
+    compute = data.get("compute")
+    if not isinstance(compute, dict) or not isinstance(compute.get("topology"), dict):
+        return data
+    topology = dict(compute["topology"])
+    placement = topology.pop("reference_placement", None)
+    data = {**data, "compute": {k: v for k, v in compute.items() if k != "topology"}}
+    data["topology"] = {**topology, **(data.get("topology") or {})}
+    if placement is not None and "placement" not in (data.get("reference") or {}):
+        data["reference"] = {**(data.get("reference") or {}), "placement": placement}
+    return data
+
+
+def _map_batch(m: _Mapper) -> None:
+    """synth-ai's batch_size counts groups; rlgate's counts sessions."""
+    groups, group_size = m.get("training", "batch_size"), m.get("training", "group_size")
+    episodes = m.get("rollout", "episodes_per_batch")
+    m.put("training", "group_size", group_size)
+    if groups is not None:
+        sessions = groups * (group_size if group_size is not None else 1)
+        if episodes is not None and episodes != sessions:  # synth-ai's own examples disagree on the unit
+            m.ignored.append(
+                f"rollout.episodes_per_batch: {episodes} disagrees with [training] batch_size x group_size "
+                f"({groups} x {group_size or 1}: batch_size counts groups); a step trains {sessions} episodes"
+            )
+        m.put("training", "batch_size", sessions)
+    elif episodes is not None:
+        m.put("training", "batch_size", episodes)
+
+
+def _map_weight_sync(m: _Mapper) -> None:
+    sync = m.get("training", "weight_sync") or {}
+    if sync.get("enable") is False:
+        m.refuse("training.weight_sync.enable", "weights are always pushed to the engines after each step")
+    if sync.get("mode", "full") != "full":
+        m.refuse("training.weight_sync.mode", "only full weights are pushed ('full')")
+    if sync.get("weight_sync_interval", 1) != 1:
+        m.refuse("training.weight_sync.weight_sync_interval", "weights are pushed after every step (1)")
+    if set(sync.get("targets", ["policy"])) - {"policy"}:
+        m.refuse("training.weight_sync.targets", "only the policy's engines take weights (['policy'])")
+
+
+def _map_reference(m: _Mapper) -> None:
+    placement = m.get("reference", "placement", "none")
+    if placement not in ("none", "shared", "dedicated", "colocated"):
+        m.refuse("reference.placement", f"{placement!r}: use 'none', 'shared' or 'dedicated'")
+    if placement != "none":  # a KL reference: rlgate keeps the initial policy in the trainer
+        m.put("algorithm", "kl_coef", REFERENCE_KL)
+
+
+def _map_evaluation(m: _Mapper) -> None:
+    seeds = m.get("evaluation", "seeds")
+    instances = m.get("evaluation", "instances")
+    if seeds and instances is not None:
+        seeds = [seeds[i % len(seeds)] for i in range(instances)]  # instances episodes, the seeds in turn
+    m.put("evaluation", "seeds", seeds)
+    m.put("evaluation", "every_n_iters", m.get("evaluation", "every_n_iters"))
 
 
 def _map_compute(m: _Mapper) -> None:
     gpu_type = m.get("compute", "gpu_type")
     gpus = int(m.get("compute", "gpu_count", 0) or 0)
-    m.get("compute", "nodes")
     for_vllm = m.get("topology", "gpus_for_vllm")
     for_training = m.get("topology", "gpus_for_training")
-    m.get("topology", "type")
-    m.get("topology", "reference_placement")
-    if m.get("topology", "gpus_for_ref", 0):
-        m.refuse("topology.gpus_for_ref", "a reference model runs in the trainer, on its GPUs; set 0")
     m.put("rollout", "tensor_parallel_size", m.get("topology", "tensor_parallel"))
     if gpu_type is not None and str(gpu_type).lower() == "cpu" or gpus == 0:
         m.put("compute", "gpus_per_worker", 0)  # CPU workers and CPU rollout replicas

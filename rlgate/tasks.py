@@ -208,16 +208,17 @@ def task_app_episodes(
 
     task = config.task
     name = task.env_name or "task"
+    env_config = {**task.env_config, **(config.evaluation.env_config if mode == "eval" else {})}
 
     def groups() -> Iterator[tuple[str, int]]:
-        for seed in itertools.cycle(task.seeds) if task.seeds else itertools.count():
+        for seed in itertools.cycle(task.seeds) if task.seeds else itertools.count(task.seed_start):
             yield f"{name}-seed-{seed}", seed
 
     async def run(session: dict, seed: int) -> float:
         policy = {**task.policy_config, "model": model, "inference_url": session["inference_url"]}
         request = RolloutRequest(
             run_id=f"{run_id}-{session['session_id']}",
-            env=EnvSpec(env_name=task.env_name, config={"max_turns": task.max_turns, **task.env_config}, seed=seed),
+            env=EnvSpec(env_name=task.env_name, config={"max_turns": task.max_turns, **env_config}, seed=seed),
             policy=PolicySpec(policy_name=task.policy_name, config=policy),
             mode=mode,
             ops=task.ops,

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 # Two tokens whose reference logprobs are this close are a near tie: which one
 # greedy decoding picks is decided by kernel rounding (CPU model, thread count,
@@ -110,3 +114,75 @@ class DiskFile:
 
     def __exit__(self, *exc) -> None:
         self.file.close()
+
+
+# synth-ai's SDK, as its users install it: the wheel alone (its declared
+# dependencies pull in dspy, gymnasium, datasets, ...), plus what
+# ``synth_ai.sdk.api.train.rl`` imports (importing synth_ai pulls in its CLI).
+SYNTH_AI = "synth-ai==0.4.4"
+SYNTH_AI_IMPORTS = [
+    "pydantic",
+    "requests",
+    "httpx",
+    "aiohttp",
+    "python-dotenv",
+    "fastapi",
+    "uvicorn",
+    "click>=8.1.7,<8.2",
+    "mcp>=1.21,<2",  # 2.x dropped Server.list_tools, which synth_ai's MCP module uses at import
+    "modal>=1.1.4,<2",
+    "celery",
+    "sqlalchemy",
+    "libsql",
+    "pynacl",
+    "tomli_w",
+]
+
+
+def _test_cache() -> Path:
+    folder = Path(os.environ.get("RLGATE_TEST_CACHE", Path.home() / ".cache" / "rlgate-tests"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def synth_ai_wheel() -> Path:
+    """synth-ai 0.4.4's wheel from the package index (cached); skips the test when
+    the index cannot be reached."""
+    import pytest
+
+    folder = _test_cache() / "wheels"
+    found = sorted(folder.glob("synth_ai-0.4.4-*.whl"))
+    if not found:
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SYNTH_AI, "-d", str(folder)]
+        fetched = subprocess.run(pip, capture_output=True, text=True, timeout=600)
+        found = sorted(folder.glob("synth_ai-0.4.4-*.whl"))
+        if fetched.returncode or not found:
+            pytest.skip(f"the package index cannot be reached for {SYNTH_AI}: {fetched.stderr.strip()[-300:]}")
+    return found[-1]
+
+
+def synth_ai_python() -> Path:
+    """A Python with synth-ai 0.4.4's SDK and nothing of rlgate (a venv beside the
+    test cache, made once); skips the test when the package index cannot be reached."""
+    wheel = synth_ai_wheel()  # the index answers: from here on a failure is a failure
+    venv = _test_cache() / "synth-ai-0.4.4-venv"
+    python = venv / "bin" / "python"
+    ready = venv / "ready"
+    if not ready.exists():
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True, timeout=300)
+        pip = [str(python), "-m", "pip", "install", "--quiet"]
+        subprocess.run([*pip, "--no-deps", str(wheel)], check=True, timeout=600)
+        subprocess.run([*pip, *SYNTH_AI_IMPORTS], check=True, timeout=1200)
+        check = [str(python), "-c", "from synth_ai.sdk.api.train.rl import RLJob"]
+        subprocess.run(check, check=True, timeout=300, cwd=venv, env=synth_ai_env(venv))
+        ready.touch()
+    return python
+
+
+def synth_ai_env(folder: Path) -> dict:
+    """The environment to run synth-ai's SDK in: its experiment queue database in
+    ``folder`` (importing synth_ai makes one), nothing of rlgate's."""
+    drop = ("RLGATE_ADMIN_KEY", "RLGATE_URL", "ENVIRONMENT_API_KEY", "SYNTH_API_KEY", "PYTHONPATH", "VIRTUAL_ENV")
+    return {k: v for k, v in os.environ.items() if k not in drop} | {
+        "EXPERIMENT_QUEUE_DB_PATH": str(Path(folder) / "experiment_queue.db")
+    }

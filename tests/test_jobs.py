@@ -12,7 +12,7 @@ SYNTH = {
     "algorithm": {"type": "online", "method": "policy_gradient", "variety": "gspo"},
     "model": {"base": "smollm2-135m-instruct", "trainer_mode": "full"},
     "rollout": {"env_name": "math", "max_concurrent_rollouts": 4},
-    "training": {"batch_size": 8, "group_size": 4, "learning_rate": 1e-5, "iterations_per_epoch": 3},
+    "training": {"batch_size": 2, "group_size": 4, "learning_rate": 1e-5, "iterations_per_epoch": 3},  # 2 groups
 }
 
 

@@ -16,7 +16,7 @@ import ray
 
 from rlgate.client import RLGateError, RLJob
 from tests.conftest import generated_keys, serve_asgi, start_gateway
-from tests.support import free_port
+from tests.support import free_port, synth_ai_env, synth_ai_python
 
 pytestmark = pytest.mark.slow
 TASK_APP_KEY = "env-key-for-the-jobs-tests"
@@ -31,7 +31,10 @@ def jobsgw(ray_session, tmp_path_factory):
         "model": {"name": "tiny-random"},
         "rollout": {"max_model_len": 512, "kv_cache_gib": 0.5},
         "gateway": {"port": port, "max_running_jobs": 1},
-        "jobs": {"task_app_hosts": ["127.0.0.1"]},  # the tests' task apps run on loopback
+        "jobs": {
+            "task_app_hosts": ["127.0.0.1"],  # the tests' task apps run on loopback
+            "models": {"Qwen/Qwen3-0.6B": "tiny-random"},  # what synth-ai's SDK may name, as this cluster has it
+        },
     }
     app = start_gateway(ray_session, tmp_path_factory, "jobsgw", settings)
     yield app
@@ -66,7 +69,8 @@ def payload(task_url: str, steps: int = 2, **training) -> dict:
         "algorithm": {"type": "online", "method": "policy_gradient", "variety": "grpo"},
         "model": {"base": "smollm2-135m-instruct", "trainer_mode": "full"},
         "rollout": {"env_name": "math", "max_concurrent_rollouts": 8, "max_turns": 1},
-        "training": {"batch_size": 8, "group_size": 4, "learning_rate": 1e-3, "iterations_per_epoch": steps} | training,
+        # batch_size counts groups, as synth-ai does: 2 groups of 4 episodes a step
+        "training": {"batch_size": 2, "group_size": 4, "learning_rate": 1e-3, "iterations_per_epoch": steps} | training,
         "vllm": {"max_model_len": 512},
         "evaluation": {"every_n_iters": 2, "seeds": [900, 901, 902], "instances": 3},
     }
@@ -181,9 +185,10 @@ def test_bad_requests_are_refused_with_what_was_wrong(jobsgw, task_app):
     post = lambda body, **kw: httpx.post(f"{jobsgw.url}/api/rl/jobs", json=body, **kw)  # noqa: E731
     assert post(payload(task_app)).status_code == 401
     bad = payload(task_app)
-    bad["data"]["config"]["training"]["batch_size"] = 6  # not a multiple of group_size 4
+    bad["data"]["config"]["model"]["trainer_mode"] = "lora"  # not honoured here, and it would change the results
     answer = post(bad, headers=jobsgw.admin)
-    assert answer.status_code == 422 and "batch_size (6) must be a multiple of group_size (4)" in answer.text
+    assert answer.status_code == 422 and "model.trainer_mode: only full fine-tuning" in answer.text
+    assert "wrong type" not in answer.text  # said once, not wrapped
     typo = payload(task_app) | {"dat": {}}
     answer = post(typo, headers=jobsgw.admin)
     assert answer.status_code == 422 and "dat" in answer.text
@@ -282,3 +287,86 @@ def test_jobs_queue_beyond_capacity_and_cancel_mid_run(jobsgw, task_app, tmp_pat
     while any(name.startswith("rlgate-job-") for name in serve.status().applications):
         assert time.monotonic() < deadline, serve.status().applications.keys()
         time.sleep(1)
+
+
+SDK_CONFIG = """
+type = "rl"
+[algorithm]
+type = "online"
+method = "policy_gradient"
+variety = "gspo"
+[model]
+base = "Qwen/Qwen3-0.6B"  # the SDK allows only the models it knows; the gateway's [jobs] models maps it
+trainer_mode = "full"
+label = "sdk-math"
+[compute]
+gpu_type = "cpu"
+gpu_count = 1
+[topology]
+type = "single_node_split"
+gpus_for_vllm = 1
+gpus_for_training = 1
+[rollout]
+env_name = "math"
+policy_name = "math"
+max_turns = 1
+episodes_per_batch = 8
+max_concurrent_rollouts = 8
+[training]
+num_epochs = 1
+iterations_per_epoch = 2
+max_turns = 1
+batch_size = 2  # groups, as synth-ai counts: 2 x 4 = 8 episodes per step
+group_size = 4
+learning_rate = 1e-3
+log_interval = 1
+[vllm]
+max_model_len = 512
+[reference]
+placement = "none"
+[tags]
+experiment = "sdk"
+"""
+
+SDK_DRIVER = """
+import json, sys
+from synth_ai.sdk.api.train.rl import RLJob
+
+config, backend, key, task_app = sys.argv[1:5]
+made = lambda: RLJob.from_config(config, backend_url=backend, api_key=key, task_app_url=task_app,
+                                 idempotency_key="sdk-run-1")
+job = made()
+job_id = job.submit()
+again = made().submit()  # the same idempotency key: the same job
+final = job.poll_until_complete(timeout=900, interval=1)
+print(json.dumps({"job_id": job_id, "again": again, "final": final}))
+"""
+
+
+def test_synth_ais_own_sdk_submits_polls_and_resubmits_a_job(jobsgw, tmp_path):
+    """synth-ai 0.4.4's unmodified SDK (a venv of its own): RLJob.from_config ->
+    submit -> poll_until_complete against /api/rl/jobs, and a resubmission with the
+    same idempotency key. (Its get_status and get_results fail on the client in
+    0.4.4: they use an async HTTP client outside its context; poll_until_complete
+    returns the same status, results included.)"""
+    from examples.math_task_app import rollout
+    from rlgate.taskapp import create_task_app
+
+    python = synth_ai_python()
+    (tmp_path / "rl.toml").write_text(SDK_CONFIG)
+    (tmp_path / "drive.py").write_text(SDK_DRIVER)
+    with serve_asgi(create_task_app("math", rollout)) as task_url:  # no key: the SDK never gives rlgate one
+        command = [str(python), "drive.py", "rl.toml", jobsgw.url, jobsgw.admin_key, task_url]
+        run = subprocess.run(
+            command, capture_output=True, text=True, timeout=1200, cwd=tmp_path, env=synth_ai_env(tmp_path)
+        )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    answer = json.loads(run.stdout.strip().splitlines()[-1])
+    assert answer["again"] == answer["job_id"]
+    final = answer["final"]
+    assert final["status"] == "succeeded", final
+    assert final["progress"]["step"] == 2 and [c["step"] for c in final["results"]["checkpoints"]] == [2]
+    assert final["model"] == "tiny-random" and final["results"]["final_reward"] is not None
+    events = RLJob.from_job_id(answer["job_id"], jobsgw.url, jobsgw.admin_key).events()
+    [ignored] = [e for e in events if e["type"] == "rl.config.ignored"]
+    assert "training.log_interval" in ignored["message"] and "topology.type" in ignored["message"]
