@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -32,7 +33,7 @@ from actors.trajectory_store import last_seq
 from rlgate.batching import GroupBuffer
 from rlgate.config import ConfigError, RLGateConfig, dump_config, load_config
 from rlgate.loop import NAMESPACE, Trainer, collect, normaliser, score, surviving
-from rlgate.placement import cluster_nodes, plan, unplaceable, worker_bundle
+from rlgate.placement import cluster_nodes, plan, unplaceable, wait_for_room, worker_bundle
 from rlgate.runlog import RunLog
 from rlgate.serving.routing import serve_start_options
 from rlgate.sessions import hash_key, new_key
@@ -87,6 +88,10 @@ def main() -> int:
     problem = unplaceable(bundles, cluster_nodes(len(bundles)))  # fail now, not wait forever for resources
     if problem:
         raise SystemExit(f"rlgate: {problem}")
+    try:  # it could run, but the cluster is busy: say why it waits (a job's status shows waiting.json)
+        wait_for_room(bundles, config.jobs.start_timeout_s, lambda reason: note_waiting(run_dir, reason))
+    except RuntimeError as err:
+        raise SystemExit(f"rlgate: {err}") from None
     if not args.resume:
         forget_earlier_run(run, run_dir)
     url, key = serve_gateway(config, version, private=args.job_manager is not None)
@@ -331,6 +336,17 @@ def forget_earlier_run(run: str, run_dir: Path) -> None:
         aside = journal.with_name(f"journal-{time.strftime('%Y%m%d-%H%M%S')}.set-aside.jsonl")
         journal.rename(aside)
         print(f"rlgate: an earlier run's open sessions are not taken over; their journal is at {aside}", flush=True)
+
+
+def note_waiting(run_dir: Path, reason: str | None) -> None:
+    """Why the run waits for resources (``<run>/waiting.json``, read by the JobManager), or no longer."""
+    path = run_dir / "waiting.json"
+    if reason is None:
+        path.unlink(missing_ok=True)
+        print("rlgate: the resources are free; starting", flush=True)
+        return
+    path.write_text(json.dumps({"reason": reason, "at": time.time()}))
+    print(f"rlgate: {reason}", flush=True)
 
 
 def trainer_gpus(config: RLGateConfig) -> float:

@@ -186,6 +186,10 @@ class JobManager:
             raise SessionError(422, f"invalid job config: {err}") from None
         config.jobs = self.jobs_section.model_copy()  # the operator's rule, not the job's; its driver checks it too
         config.model.name = config.jobs.models.get(config.model.name, config.model.name)
+        if "num_cpus" not in config.rollout.model_fields_set:  # unsaid: the gateway's default for jobs
+            config.rollout.num_cpus = config.jobs.cpus_per_bundle
+        if "cpus_per_worker" not in config.compute.model_fields_set:
+            config.compute.cpus_per_worker = config.jobs.cpus_per_bundle
         if config.services.task_url is not None:
             try:
                 await asyncio.to_thread(check_url, config.services.task_url, config.jobs.allowlist())
@@ -428,8 +432,23 @@ class JobManager:
             self._finish(job.job_id, status, error)
             await self._drop_leftovers(job.job_id)
             return
+        self._note_waiting(job)
         self._catch_up(job.job_id)
         self._save(job.job_id)
+
+    def _note_waiting(self, job: jobs.Job) -> None:
+        """Why the job's driver waits for resources (its waiting.json): in its status, and an event per change."""
+        path = self._run_dir(job.job_id) / "waiting.json"
+        try:
+            reason = json.loads(path.read_text())["reason"] if path.exists() else None
+        except (OSError, ValueError, KeyError):  # being written: look again next time
+            return
+        if reason != job.waiting:
+            job.waiting = reason
+            if reason is not None:
+                self._event(job.job_id, "rl.waiting", reason)
+            else:
+                self._event(job.job_id, "rl.resources", "the resources it waited for are free: starting")
 
     async def _drop_leftovers(self, job_id: str) -> None:
         """A finished job's Serve app (left behind if its driver was killed before

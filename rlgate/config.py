@@ -290,6 +290,15 @@ class JobsConfig(_Section):
         "host names, IP addresses or networks such as 10.0.0.0/8. Public addresses need no entry.",
     )
 
+    start_timeout_s: float = Field(
+        600.0, gt=0, description="Seconds a run waits for the cluster to free what it needs, then fails saying why."
+    )
+    cpus_per_bundle: float = Field(
+        0.5,
+        gt=0,
+        description="CPUs a job's rollout replicas and trainer workers reserve when its config does not say "
+        "([rollout] num_cpus, [compute] cpus_per_worker): a job fits beside a gateway on a small machine.",
+    )
     models: dict[str, str] = Field(
         default_factory=dict,
         description="Model names a job may ask for, mapped to what this cluster loads (a local folder, a built-in "

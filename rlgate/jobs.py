@@ -90,6 +90,9 @@ class Job(BaseModel):
     started_at: float | None = None
     finished_at: float | None = None
     error: str | None = None
+    waiting: str | None = Field(
+        None, description="Why a running job has not started yet: the resources it waits for, who holds them."
+    )
     progress: dict[str, Any] = Field(default_factory=dict)
     results: JobResults = Field(default_factory=JobResults)
     tags: dict[str, Any] = Field(default_factory=dict)

@@ -6,7 +6,9 @@ replica's engine lives on one node) and one per trainer worker
 (``[compute] cpus_per_worker``, ``gpus_per_worker``). :func:`plan` lists
 them; :func:`unplaceable` says, against the cluster's nodes, what can never
 be placed and why, so a run fails at once instead of waiting forever for a
-placement group. Both are pure.
+placement group; :func:`shortfall` says what keeps them from being placed
+now. All three are pure; :func:`wait_for_room` waits, saying why, until they
+fit what is free (or gives up).
 
 ``[compute] placement``: ``"shared"`` lets Ray put bundles wherever they fit
 (fractional GPUs, e.g. 0.5 each, co-locate a replica and a worker on one
@@ -21,6 +23,8 @@ against: those alive, plus every node the autoscaler may add.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +81,23 @@ def unplaceable(bundles: list[Bundle], nodes: list[dict[str, float]]) -> str | N
         node = next((n for n in free if _fits(bundle, n)), None)
         if node is None:
             return _why(bundle, bundles, nodes)
+        for name, amount in bundle.as_ray().items():
+            node[name] = node.get(name, 0.0) - amount
+    return None
+
+
+def shortfall(bundles: list[Bundle], free: list[dict[str, float]]) -> str | None:
+    """What keeps ``bundles`` from being placed now on ``free`` (each node's free
+    resources), in words, or None when they all fit. First fit, largest first."""
+    left = [dict(n) for n in free]
+    for bundle in sorted(bundles, key=lambda b: (b.gpus, b.cpus), reverse=True):
+        node = next((n for n in left if _fits(bundle, n)), None)
+        if node is None:
+            what = {"rollout": "a rollout replica", "trainer": "a trainer worker"}[bundle.role]
+            needs = f"{bundle.cpus:g} CPU" + (f" and {bundle.gpus:g} GPU" if bundle.gpus else "")
+            room = {name: max((n.get(name, 0.0) for n in left), default=0.0) for name in ("CPU", "GPU")}
+            have = f"{room['CPU']:g} CPU" + (f" and {room['GPU']:g} GPU" if bundle.gpus else "")
+            return f"needs {needs} for {what}; the most free on a node is {have}"
         for name, amount in bundle.as_ray().items():
             node[name] = node.get(name, 0.0) - amount
     return None
@@ -144,3 +165,52 @@ def launcher_node_types(launcher: dict) -> list[tuple[dict[str, float], int]]:
         for name, kind in launcher.get("available_node_types", {}).items()
         if name != head
     ]
+
+
+def free_nodes() -> list[dict[str, float]]:
+    """Each alive node's free resources now (needs a Ray connection)."""
+    from ray._private.state import available_resources_per_node  # per node: no public API yet
+
+    return [dict(resources) for resources in available_resources_per_node().values()]
+
+
+def holders(most: int = 6) -> str:
+    """Who holds the cluster's CPUs and GPUs now, largest first: "name (2 CPU), ..."."""
+    from ray.util.state import list_actors
+
+    held = []
+    alive = list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=10_000, raise_on_missing_output=False)
+    for actor in alive:
+        resources = actor.required_resources or {}
+        cpus, gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
+        if cpus or gpus:
+            name = actor.name or actor.repr_name or actor.class_name
+            held.append((gpus, cpus, f"{name} ({cpus:g} CPU" + (f", {gpus:g} GPU)" if gpus else ")")))
+    held.sort(reverse=True)
+    shown = ", ".join(text for _, _, text in held[:most])
+    return (shown + (f" and {len(held) - most} more" if len(held) > most else "")) or "nothing rlgate can see"
+
+
+def wait_for_room(
+    bundles: list[Bundle],
+    timeout_s: float,
+    note: Callable[[str | None], None],
+    free: Callable[[], list[dict[str, float]]] = free_nodes,
+    held: Callable[[], str] = holders,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Return once ``bundles`` fit in what is free. Meanwhile ``note`` gets the
+    reason ("waiting for resources: needs ...; held by: ...") whenever it changes,
+    and None once they fit; RuntimeError with the reason after ``timeout_s``."""
+    deadline, said = clock() + timeout_s, None
+    while (short := shortfall(bundles, free())) is not None:
+        reason = f"waiting for resources: {short}; held by: {held()}"
+        if reason != said:
+            note(reason)
+            said = reason
+        if clock() >= deadline:
+            raise RuntimeError(f"gave up after {timeout_s:g} s ([jobs] start_timeout_s) {reason}")
+        sleep(2.0)
+    if said is not None:
+        note(None)

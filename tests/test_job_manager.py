@@ -206,3 +206,34 @@ async def test_secret_files_an_earlier_version_left_are_removed(tmp_path, ray_jo
     after = manager(tmp_path, ray_jobs)
     assert files_holding_secrets(tmp_path / "jobs", [TASK_APP_KEY]) == []
     assert await after.take_task_app_key(waiting) == TASK_APP_KEY  # a job still to run keeps its key, in memory
+
+
+async def test_a_job_waiting_for_resources_says_why_in_its_status_and_events(tmp_path, ray_jobs):
+    jobs_manager = manager(tmp_path, ray_jobs)
+    job_id = (await jobs_manager.submit(body(), None))["job_id"]
+    ray_jobs.status[job_id] = "RUNNING"
+    run = jobs_manager._run_dir(job_id)
+    run.mkdir(parents=True, exist_ok=True)
+    reason = "waiting for resources: needs 0.5 CPU for a trainer worker; held by: rlgate-serve (1 CPU)"
+    (run / "waiting.json").write_text(json.dumps({"reason": reason, "at": 0.0}))  # what its driver writes
+    for _ in range(2):
+        await jobs_manager._poll(jobs_manager.jobs[job_id])
+    status = await jobs_manager.get(job_id, None)
+    assert (status["status"], status["waiting"]) == ("running", reason)
+    (run / "waiting.json").unlink()  # the resources came free
+    await jobs_manager._poll(jobs_manager.jobs[job_id])
+    assert (await jobs_manager.get(job_id, None))["waiting"] is None
+    events = [(e["type"], e["message"]) for e in await jobs_manager.get_events(job_id, None, 0, 100)]
+    assert [e for e in events if e[0] == "rl.waiting"] == [("rl.waiting", reason)]  # said once
+    assert events[-1][0] == "rl.resources"
+
+
+async def test_a_jobs_unsaid_cpus_are_the_gateways_default_for_jobs(tmp_path, ray_jobs):
+    import tomllib
+
+    jobs_manager = manager(tmp_path, ray_jobs)
+    unsaid = (await jobs_manager.submit(body(), None))["job_id"]
+    said = (await jobs_manager.submit(body(rollout={"num_cpus": 2}, compute={"cpus_per_worker": 3}), None))["job_id"]
+    for job_id, cpus in ((unsaid, (0.5, 0.5)), (said, (2, 3))):
+        config = tomllib.loads((jobs_manager._folder(job_id) / "config.toml").read_text())
+        assert (config["rollout"]["num_cpus"], config["compute"]["cpus_per_worker"]) == cpus

@@ -289,6 +289,38 @@ def test_jobs_queue_beyond_capacity_and_cancel_mid_run(jobsgw, task_app, tmp_pat
         time.sleep(1)
 
 
+def test_a_job_the_busy_cluster_cannot_start_yet_says_why_and_starts_when_it_can(jobsgw, task_app):
+    """Every free CPU taken by another actor: the job runs its driver, which waits,
+    saying what it needs and who holds it (status and events); freed, it starts."""
+
+    @ray.remote
+    class Hog:
+        def ready(self) -> bool:
+            return True
+
+    free = ray.available_resources().get("CPU", 0.0)
+    hog = Hog.options(num_cpus=free, name="cpu-hog-of-the-test", namespace="rlgate").remote()
+    ray.get(hog.ready.remote())
+    job = RLJob(jobsgw.url, jobsgw.admin_key, payload(task_app))
+    try:
+        job.submit()
+        deadline = time.monotonic() + 300
+        while (status := job.get_status())["waiting"] is None:
+            assert status["status"] in ("queued", "running") and time.monotonic() < deadline, status
+            time.sleep(0.5)
+        assert status["status"] == "running"
+        assert "needs 0.5 CPU" in status["waiting"] and "cpu-hog-of-the-test" in status["waiting"], status
+    finally:
+        ray.kill(hog)
+    while (status := job.get_status())["waiting"] is not None:
+        assert time.monotonic() < deadline, status
+        time.sleep(0.5)
+    kinds = [e["type"] for e in job.events()]
+    assert kinds.index("rl.waiting") < kinds.index("rl.resources")
+    assert job.cancel()["status"] == "cancelled"
+    wait_for(job, {"cancelled"})
+
+
 SDK_CONFIG = """
 type = "rl"
 [algorithm]

@@ -83,3 +83,42 @@ def test_nodes_the_autoscaler_may_add_count_as_placeable():
     assert "needs 5 GPU in all (the cluster has 0)" in unplaceable(plan(config(rollout={"num_gpus": 1}), 4), head_only)
     unbounded = autoscaler_nodes([({"CPU": 4, "GPU": 1}, -1)], bundles=5)
     assert unbounded == [{"CPU": 4, "GPU": 1}] * 5
+
+
+def test_what_keeps_a_run_from_starting_now_is_said():
+    from rlgate.placement import shortfall
+
+    bundles = plan(config(rollout={"num_cpus": 1}, compute={"cpus_per_worker": 1}), 0)
+    assert shortfall(bundles, [{"CPU": 2.0}]) is None
+    assert shortfall(bundles, [{"CPU": 1.0}]) == (
+        "needs 1 CPU for a trainer worker; the most free on a node is 0 CPU"  # the replica took the one
+    )
+    gpu = plan(config(rollout={"num_gpus": 1}), 1)
+    assert shortfall(gpu, [{"CPU": 8.0, "GPU": 1.0}]) == (
+        "needs 1 CPU and 1 GPU for a trainer worker; the most free on a node is 7 CPU and 0 GPU"
+    )
+
+
+def test_a_run_waits_saying_why_until_it_fits_or_gives_up():
+    from rlgate.placement import wait_for_room
+
+    bundles = plan(config(rollout={"num_cpus": 1}, compute={"cpus_per_worker": 1}), 0)
+    free = iter([[{"CPU": 1.0}]] * 3 + [[{"CPU": 2.0}]])
+    notes, now = [], [0.0]
+    clock = lambda: now[0]  # noqa: E731
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    wait_for_room(
+        bundles, 60, notes.append, free=lambda: next(free), held=lambda: "serve (1 CPU)", sleep=sleep, clock=clock
+    )
+    assert notes == [
+        "waiting for resources: needs 1 CPU for a trainer worker; the most free on a node is 0 CPU; "
+        "held by: serve (1 CPU)",
+        None,  # said once while it waited, then that it fits
+    ]
+    with pytest.raises(RuntimeError, match=r"gave up after 10 s \(\[jobs\] start_timeout_s\) waiting for resources"):
+        wait_for_room(
+            bundles, 10, notes.append, free=lambda: [{"CPU": 1.0}], held=lambda: "x", sleep=sleep, clock=clock
+        )
