@@ -120,8 +120,8 @@ class Gateway:
         def job_manager():
             where = {"host": gateway.host, "port": gateway.port}
             jobs_dir = str(Path(gateway.run_dir).parent / "jobs")
-            hosts = settings.jobs.task_app_hosts  # which task apps jobs may call: this gateway's operator says
-            return get_or_create_job_manager(gateway.run_name, jobs_dir, where, gateway.max_running_jobs, hosts)
+            rules = settings.jobs.model_dump()  # which task apps jobs may call, ...: this gateway's operator says
+            return get_or_create_job_manager(gateway.run_name, jobs_dir, where, gateway.max_running_jobs, rules)
 
         self.sessions = sessions
         self.service = GatewayService(

@@ -57,7 +57,7 @@ class JobManager:
         jobs_dir: str,
         gateway: dict,
         max_running: int = 1,
-        task_app_hosts: list[str] | None = None,
+        jobs_section: dict | None = None,
         name: str = "",
         python: str = sys.executable,
         client=None,
@@ -67,7 +67,7 @@ class JobManager:
         self.dir = Path(jobs_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.gateway, self.max_running, self.name, self.python = gateway, max_running, name, python
-        self.set_task_app_hosts(task_app_hosts or [])
+        self.set_jobs_section(jobs_section or {})
         self.jobs: dict[str, jobs.Job] = {}
         self.keys: dict[str, str] = {}  # job id -> hash of its API key
         self.task_app_keys: dict[str, str] = {}  # job id -> its task app's key, until its driver takes it
@@ -101,10 +101,10 @@ class JobManager:
             if lost and job.status == "queued" and not self._submitted(job.job_id):
                 self._finish(job.job_id, "failed", LOST_KEY)
 
-    def set_task_app_hosts(self, task_app_hosts: list[str]) -> None:
-        """The operator's ``[jobs] task_app_hosts``: which task apps jobs may call. The
-        gateway sets it each time it reaches this actor, which may outlive its config."""
-        self.jobs_section = JobsConfig(task_app_hosts=task_app_hosts)
+    def set_jobs_section(self, jobs_section: dict) -> None:
+        """The operator's ``[jobs]``: which task apps jobs may call, model names, waits and
+        CPUs. The gateway sets it each time it reaches this actor, which may outlive its config."""
+        self.jobs_section = JobsConfig.model_validate(jobs_section)
 
     # --- helpers --------------------------------------------------------------------
 
@@ -479,13 +479,13 @@ def _last_line(logs: str) -> str | None:
 
 
 def get_or_create_job_manager(
-    run_name: str, jobs_dir: str, gateway: dict, max_running: int = 1, task_app_hosts: list[str] | None = None
+    run_name: str, jobs_dir: str, gateway: dict, max_running: int = 1, jobs_section: dict | None = None
 ):
     name = f"rlgate-{run_name}-jobs"
     manager = (
         ray.remote(JobManager)
         .options(name=name, namespace="rlgate", lifetime="detached", get_if_exists=True, num_cpus=0)
-        .remote(jobs_dir, gateway, max_running, task_app_hosts, name)
+        .remote(jobs_dir, gateway, max_running, jobs_section, name)
     )
-    manager.set_task_app_hosts.remote(task_app_hosts or [])  # one made earlier keeps its own until told
+    manager.set_jobs_section.remote(jobs_section or {})  # one made earlier keeps its own until told
     return manager

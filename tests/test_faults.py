@@ -34,6 +34,19 @@ def kill_actor(ray_session, name: str) -> int:
     return pid
 
 
+def killed_under(ray_session, name: str, flag: str, call):
+    """``call()``'s answer when the run's actor ``name`` is SIGKILLed while the call is
+    in it: once the actor's attribute ``flag`` (set by a patch the test put there) is true."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(call)
+        deadline = time.monotonic() + 60
+        while not in_actor(ray_session, name, lambda actor: getattr(actor, flag)):
+            assert time.monotonic() < deadline and not in_flight.done(), f"the call never reached the {name} actor"
+            time.sleep(0.2)
+        kill_actor(ray_session, name)
+        return in_flight.result()
+
+
 def session(app, key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
 
@@ -70,14 +83,7 @@ def test_a_killed_session_store_resumes_every_open_session_from_its_journal(faul
         store.holding, store.owned.record = False, held
 
     in_actor(ray_session, "sessions", hold_records)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        in_flight = pool.submit(chat, app, open_b["api_key"], "in flight")
-        deadline = time.monotonic() + 60
-        while not in_actor(ray_session, "sessions", lambda store: store.holding):
-            assert time.monotonic() < deadline and not in_flight.done(), "the turn never reached the store"
-            time.sleep(0.2)
-        kill_actor(ray_session, "sessions")
-        refused = in_flight.result()
+    refused = killed_under(ray_session, "sessions", "holding", lambda: chat(app, open_b["api_key"], "in flight"))
     assert refused.status_code == 503, refused.text
     assert refused.json()["error"]["message"].startswith("session service unavailable: ")
 
@@ -267,14 +273,8 @@ def test_a_killed_capacity_actor_comes_back_and_admission_stays_exact(faults, ra
 
     in_actor(ray_session, "capacity", admit_nothing)
     body = {"task_id": "cap2", "wait_s": 120}
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        waiting = pool.submit(httpx.post, f"{app.url}/rl/start_session", json=body, headers=app.admin, timeout=180)
-        deadline = time.monotonic() + 60
-        while not in_actor(ray_session, "capacity", lambda capacity: capacity.waiting):
-            assert time.monotonic() < deadline and not waiting.done(), "the start never reached the actor"
-            time.sleep(0.2)
-        kill_actor(ray_session, "capacity")
-        started = waiting.result()
+    start = lambda: httpx.post(f"{app.url}/rl/start_session", json=body, headers=app.admin, timeout=180)  # noqa: E731
+    started = killed_under(ray_session, "capacity", "waiting", start)
     assert started.status_code == 200, started.text  # it waited for the restart; nothing failed
     keys.append(started.json()["api_key"])
     assert books() == (before[0] + 3, before[1] + 3)

@@ -64,9 +64,8 @@ def ray_jobs(monkeypatch) -> FakeRayJobs:
 def manager(tmp_path, ray_jobs: FakeRayJobs, hosts=("127.0.0.1",), max_running: int = 1) -> JobManager:
     """A JobManager over ``tmp_path/jobs`` (a second one over the same folder is a restart)."""
     gateway = {"host": "127.0.0.1", "port": 8000}
-    return JobManager(
-        str(tmp_path / "jobs"), gateway, max_running, task_app_hosts=list(hosts), name="rlgate-t-jobs", client=ray_jobs
-    )
+    rules = {"task_app_hosts": list(hosts)}
+    return JobManager(str(tmp_path / "jobs"), gateway, max_running, rules, name="rlgate-t-jobs", client=ray_jobs)
 
 
 def body(task_url: str = TASK_APP, key: str | None = TASK_APP_KEY, **config) -> dict:

@@ -98,7 +98,7 @@ def test_a_job_runs_on_ray_and_reports_results_events_and_metrics(jobsgw, task_a
     assert twin.submit() == job_id and twin.job_api_key is None  # the same job; its key is shown once only
     seen = []
     final = job.poll_until_complete(timeout=600, interval=0.5, on_status=lambda s: seen.append(s["status"]))
-    assert final["status"] == "succeeded", final
+    assert final["status"] == "succeeded", (final["error"], final["progress"])
     assert set(seen) <= {"queued", "running", "succeeded"} and seen[-1] == "succeeded"
     assert final["started_at"] <= final["finished_at"] and final["progress"]["step"] == 2
     assert final["progress"]["failed_episodes"] > 0  # crashed rollouts cost only themselves
@@ -396,7 +396,7 @@ def test_synth_ais_own_sdk_submits_polls_and_resubmits_a_job(jobsgw, tmp_path):
     answer = json.loads(run.stdout.strip().splitlines()[-1])
     assert answer["again"] == answer["job_id"]
     final = answer["final"]
-    assert final["status"] == "succeeded", final
+    assert final["status"] == "succeeded", (final["error"], final["progress"])
     assert final["progress"]["step"] == 2 and [c["step"] for c in final["results"]["checkpoints"]] == [2]
     assert final["model"] == "tiny-random" and final["results"]["final_reward"] is not None
     events = RLJob.from_job_id(answer["job_id"], jobsgw.url, jobsgw.admin_key).events()
