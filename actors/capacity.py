@@ -10,9 +10,11 @@ and by the trainer (``grant`` when it attaches, ``on_new_version`` after
 publishing weights, ``discard`` for sessions it dropped untrained, ``detach``
 when it leaves).
 Owns: the :class:`rlgate.capacity.CapacityRule`, the ``running`` (per holder), ``accepted``
-and ``rejected`` counters and the policy ``version``. Every change is written to
-``state_path`` (``<run>/capacity.json``, atomically) before the call that made
-it returns, and Ray restarts a killed actor in place, which reads it back. What
+and ``rejected`` counters and the policy ``version``. Every change appends the
+whole state as a line to ``state_path`` (``<run>/capacity.jsonl``; the last
+whole line counts, and the file is rewritten when it passes 1 MiB: a rename
+per change cost more than the rest of the call) before the call that made it
+returns, and Ray restarts a killed actor in place, which reads it back. What
 it cannot know is which of the calls in flight at its death took effect, so a
 restarted actor refuses each holder's calls (:class:`HolderUnknown`) until that
 holder has told it how many sessions it holds (``reconcile``); holders do so
@@ -33,9 +35,11 @@ from pathlib import Path
 import ray
 
 from rlgate.capacity import CapacityRule, CapacityStats, GroupReservations, free_slots
+from rlgate.logfile import append_whole, json_lines, open_log
 from rlgate.telemetry import Metrics
 
 logger = logging.getLogger(__name__)
+STATE_REWRITE_BYTES = 2**20  # the state log is rewritten to its last line past this size
 
 
 class HolderUnknown(Exception):
@@ -70,10 +74,14 @@ class CapacityActor:
         self.unknown: set[str] = set()
         name = (ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None) or "rlgate-capacity"
         self.metrics = Metrics(name.removeprefix("rlgate-").removesuffix("-capacity"))
+        self._state_log, self._state_bytes, self.state_rewrite_bytes = None, 0, STATE_REWRITE_BYTES
         restarted = ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
         if restarted and self.state_path is not None and self.state_path.exists():
-            self._load(json.loads(self.state_path.read_text()))
-            logger.warning("restarted: state read from %s; holders %s must reconcile", self.state_path, self.unknown)
+            with self.state_path.open() as lines:
+                states = [state for _, state in json_lines(lines, lambda line: logger.warning("bad line: %r", line))]
+            if states:
+                self._load(states[-1])
+                logger.warning("restarted: state from %s; holders %s must reconcile", self.state_path, self.unknown)
 
     # --- state on disk --------------------------------------------------------------
 
@@ -106,9 +114,21 @@ class CapacityActor:
     def _save(self) -> None:
         if self.state_path is None:
             return
+        line = (json.dumps(self._state()) + "\n").encode()
+        if self._state_log is None or self._state_bytes + len(line) > self.state_rewrite_bytes:
+            self._rewrite(line)
+            return
+        append_whole(self._state_log, line)  # whole or not at all: the last whole line is the state
+        self._state_bytes += len(line)
+
+    def _rewrite(self, line: bytes) -> None:
+        """The state log as this one line (a new file renamed over the old: a crash leaves either)."""
         temporary = self.state_path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(self._state()))
-        os.replace(temporary, self.state_path)  # a crash leaves the old state or the new, never half of one
+        temporary.write_bytes(line)
+        os.replace(temporary, self.state_path)
+        if self._state_log is not None:
+            self._state_log.close()
+        self._state_log, self._state_bytes = open_log(self.state_path), len(line)
 
     def _known(self, holder: str) -> None:
         if holder in self.unknown:

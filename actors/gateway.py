@@ -81,7 +81,7 @@ class Gateway:
         gateway = settings.gateway
         run = f"rlgate-{gateway.run_name}"
         capacity = get_or_create_capacity(
-            f"{run}-capacity", NAMESPACE, gateway.max_concurrent, str(Path(gateway.run_dir) / "capacity.json")
+            f"{run}-capacity", NAMESPACE, gateway.max_concurrent, str(Path(gateway.run_dir) / "capacity.jsonl")
         )
         trajectories = TrajectoryStore.options(
             name=f"{run}-trajectories", namespace=NAMESPACE, lifetime="detached", get_if_exists=True

@@ -392,7 +392,7 @@ async def test_a_killed_capacity_actor_comes_back_with_its_state_and_holders_rec
 
     from actors.capacity import CapacityClient, HolderUnknown, get_or_create_capacity
 
-    actor = get_or_create_capacity(f"capacity-{uuid.uuid4().hex}", NAMESPACE, 3, str(tmp_path / "capacity.json"))
+    actor = get_or_create_capacity(f"capacity-{uuid.uuid4().hex}", NAMESPACE, 3, str(tmp_path / "capacity.jsonl"))
     sessions: list[int] = []  # the open sessions of holder "store"
     client = CapacityClient(actor, "store", count=lambda: len(sessions))
     for session in range(2):
@@ -425,7 +425,7 @@ async def test_a_restarted_capacity_actor_keeps_the_trainers_rule_and_its_group_
 
     from actors.capacity import CapacityClient, get_or_create_capacity
 
-    actor = get_or_create_capacity(f"capacity-{uuid.uuid4().hex}", NAMESPACE, 8, str(tmp_path / "capacity.json"))
+    actor = get_or_create_capacity(f"capacity-{uuid.uuid4().hex}", NAMESPACE, 8, str(tmp_path / "capacity.jsonl"))
     held: list[str] = []
     client = CapacityClient(actor, "store", count=lambda: len(held))
     await actor.grant.remote(batch_size=4, max_staleness=0, group_size=2)
@@ -492,17 +492,31 @@ async def test_a_release_whose_answer_was_lost_counts_its_session_accepted_at_mo
 
 
 async def test_the_state_written_on_every_change_does_not_grow_with_the_sessions_seen(tmp_path, ray_session):
-    """Each acquire and release writes the state file: it holds counts and the groups
-    under way, not every task seen, so a write costs the same after many sessions."""
+    """Each acquire and release appends the state: counts and the groups under way,
+    not every task seen, so a write costs the same after many sessions; the log is
+    rewritten to its last state when it passes its size, and read back after a kill."""
+    import os
+    import signal
+
     from actors.capacity import get_or_create_capacity
 
-    path = tmp_path / "capacity.json"
+    path = tmp_path / "capacity.jsonl"
     actor = get_or_create_capacity(f"capacity-{uuid.uuid4().hex}", NAMESPACE, 4, str(path))
-    sizes = []
+    await actor.__ray_call__.remote(lambda self: setattr(self, "state_rewrite_bytes", 8192))
+    lines = []
     for batch in range(2):
         for i in range(500):
             assert await actor.acquire.remote(0.0, f"task-{batch}-{i}")
             await actor.release.remote(True)
-        sizes.append(path.stat().st_size)
-    assert sizes[1] - sizes[0] <= 8 and sizes[1] < 2048, sizes  # a digit more in a counter, no more
+        lines.append(path.read_text().splitlines()[-1])
+        assert path.stat().st_size <= 8192  # rewritten as it grew
+    assert len(lines[1]) - len(lines[0]) <= 8 and len(lines[1]) < 2048, lines  # a digit more in a counter, no more
+    os.kill(await actor.__ray_call__.remote(lambda self: os.getpid()), signal.SIGKILL)
+    while True:
+        try:
+            stats = await actor.stats.remote()
+            break
+        except ray_session.exceptions.RayActorError:
+            await asyncio.sleep(0.2)
+    assert stats["accepted"] == 1000  # the last state, read back
     ray_session.kill(actor)
