@@ -310,11 +310,14 @@ class JobManager:
             if j.status == "running" or (j.status == "queued" and self._submitted(j.job_id))
         )
         for job in sorted(self.jobs.values(), key=lambda j: j.created_at):
-            if running >= self.max_running:
-                return
-            if job.status == "queued" and not self._submitted(job.job_id):
-                await self._submit_to_ray(job)
-                running += self._submitted(job.job_id)
+            if job.status != "queued" or self._submitted(job.job_id):
+                continue
+            if running >= self.max_running:  # it says why it waits
+                job.waiting = f"queued: {running} jobs running, as many as [gateway] max_running_jobs allows"
+                continue
+            job.waiting = None
+            await self._submit_to_ray(job)
+            running += self._submitted(job.job_id)
 
     async def _submit_to_ray(self, job: jobs.Job) -> None:
         if job.job_id in self.keyed and job.job_id not in self.task_app_keys:  # lost in a restart

@@ -236,3 +236,17 @@ async def test_a_jobs_unsaid_cpus_are_the_gateways_default_for_jobs(tmp_path, ra
     for job_id, cpus in ((unsaid, (0.5, 0.5)), (said, (2, 3))):
         config = tomllib.loads((jobs_manager._folder(job_id) / "config.toml").read_text())
         assert (config["rollout"]["num_cpus"], config["compute"]["cpus_per_worker"]) == cpus
+
+
+async def test_a_queued_job_says_what_it_waits_for(tmp_path, ray_jobs):
+    jobs_manager = manager(tmp_path, ray_jobs, max_running=1)
+    first = (await jobs_manager.submit(body(), None))["job_id"]
+    second = (await jobs_manager.submit(body(), None))["job_id"]
+    assert (await jobs_manager.get(first, None))["waiting"] is None
+    queued = await jobs_manager.get(second, None)
+    assert queued["status"] == "queued" and queued["waiting"] == (
+        "queued: 1 jobs running, as many as [gateway] max_running_jobs allows"
+    )
+    await jobs_manager.cancel(first, None)
+    await jobs_manager._start_queued()
+    assert (await jobs_manager.get(second, None))["waiting"] is None and second in ray_jobs.submitted

@@ -263,7 +263,8 @@ def test_jobs_queue_beyond_capacity_and_cancel_mid_run(jobsgw, task_app, tmp_pat
     second_id, second_key = re.match(r"rlgate: job (\S+) submitted; its own key: (\S+)", submitted.stdout).groups()
     second = RLJob.from_job_id(second_id, jobsgw.url, jobsgw.admin_key)
     wait_for(first, {"running"})
-    assert second.get_status()["status"] == "queued"  # max_running_jobs = 1
+    queued = second.get_status()
+    assert queued["status"] == "queued" and "as many as [gateway] max_running_jobs allows" in queued["waiting"]
     listed = rlgate(jobsgw, "jobs", "list").stdout
     assert re.search(rf"{first.job_id}\s+running", listed) and re.search(rf"{second_id}\s+queued", listed)
     for touch in ("get_status", "cancel"):  # one job's key neither reads nor cancels another job
