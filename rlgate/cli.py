@@ -238,10 +238,14 @@ def _follow(job) -> int:
 
     from tqdm import tqdm
 
-    bar, seen = None, 0
+    bar, seen, waiting = None, 0, None
     while True:
         status = job.get_status()
         progress = status["progress"]
+        if status.get("waiting") != waiting:  # why it has not started (resources, the queue), once
+            waiting = status.get("waiting")
+            if waiting:
+                (bar.write if bar is not None else print)(f"rlgate: job {job.job_id}: {waiting}", file=sys.stderr)
         if bar is None and status["total_steps"]:
             bar = tqdm(total=status["total_steps"], desc=job.job_id, unit="step")
         if bar is not None:
