@@ -9,6 +9,7 @@ type or out of range is a 422 naming the field (pydantic).
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Literal
 
@@ -36,6 +37,21 @@ class ToolCallIn(BaseModel):
     type: Literal["function"] = "function"
     function: FunctionCall
 
+    def for_template(self) -> dict:
+        """The call as chat templates expect it: ``arguments`` a mapping when it is a
+        JSON object (as Hugging Face and vLLM hand it; templates that apply ``tojson``
+        to it would otherwise encode the string twice), else as given."""
+        call = self.model_dump()
+        arguments = call["function"]["arguments"]
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                call["function"]["arguments"] = parsed
+        return call
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -62,7 +78,7 @@ class ChatMessage(BaseModel):
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
-            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message

@@ -211,3 +211,28 @@ def test_extend_key_matches_exchange_keys():
             "tool_calls": [{"function": {"name": "calculator", "arguments": '{"expression":"1+2","x":1}'}}],
         }
         assert extend_key(keys[0], recorded) == keys[1]
+
+
+def test_templates_get_tool_call_arguments_as_a_mapping(tiny_tokenizer):
+    """A template that applies ``tojson`` to a call's arguments (Llama 3.1's does)
+    writes them once: rlgate hands it a mapping, as Hugging Face and vLLM do."""
+    import copy
+
+    from rlgate.api import ChatMessage
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+        "{% for c in m.tool_calls or [] %}{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}\n"
+        "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    call = {"type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    torn = {"type": "function", "function": {"name": "weather", "arguments": '{"city": "Pa'}}
+    messages = [
+        ChatMessage(role="user", content=[{"type": "text", "text": "Weather?"}]).for_template(),
+        ChatMessage(role="assistant", content=None, tool_calls=[call, torn]).for_template(),
+    ]
+    text = ChatRenderer(tokenizer).render(messages, None, True)
+    assert 'weather{"city": "Paris"}' in text and 'Paris\\"' not in text  # once, not as a JSON string
+    assert 'weather"{\\"city\\": \\"Pa"' in text  # not a JSON object: passed on as the text it is
+    assert text.startswith("user: Weather?")  # content parts joined
