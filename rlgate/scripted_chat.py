@@ -83,6 +83,7 @@ def run_chat(config_path: str, max_tokens: int = 64) -> int:
                     top_p=0.95,
                     seed=turn,
                     stream=True,
+                    stream_options={"include_usage": True},
                 )
                 for chunk in stream:
                     if chunk.usage is not None:

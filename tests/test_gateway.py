@@ -115,6 +115,7 @@ def test_streaming_sends_text_and_tool_calls_incrementally(gw):
             temperature=0,
             max_tokens=64,
             stream=True,
+            stream_options={"include_usage": True},
         )
     )
     calls = [c for chunk in chunks if chunk.choices for c in chunk.choices[0].delta.tool_calls or []]
@@ -136,14 +137,14 @@ def test_streaming_sends_text_and_tool_calls_incrementally(gw):
         },
         {"role": "tool", "tool_call_id": calls[0].id, "content": "42"},
     ]
-    pieces = [
-        c.choices[0].delta.content
-        for c in api.chat.completions.create(
+    streamed = list(
+        api.chat.completions.create(
             model="tiny-tools", messages=history, tools=[CALCULATOR_TOOL], temperature=0, max_tokens=64, stream=True
         )
-        if c.choices and c.choices[0].delta.content
-    ]
+    )
+    pieces = [c.choices[0].delta.content for c in streamed if c.choices and c.choices[0].delta.content]
     assert "".join(pieces) == "The answer is 42." and len(pieces) > 3
+    assert all(c.usage is None and c.choices for c in streamed)  # no usage chunk unless stream_options asks
     httpx.post(f"{gw.url}/rl/end_session", headers=session_headers(session["api_key"]))
 
 

@@ -234,15 +234,15 @@ class Turn:
                 )
             await self.g.sessions.record(self.session_id, interactions)
             self.recorded = True
-            generated = sum(len(c.token_ids) for c in done)
-            yield self._chunk(
-                [],
-                usage=CompletionUsage(
+            options = self.request.stream_options
+            if options is not None and options.include_usage:  # as OpenAI: a usage chunk only when asked for
+                generated = sum(len(c.token_ids) for c in done)
+                usage = CompletionUsage(
                     prompt_tokens=len(self.prompt_ids),
                     completion_tokens=generated,
                     total_tokens=len(self.prompt_ids) + generated,
-                ),
-            )
+                )
+                yield self._chunk([], usage=usage)
             yield "data: [DONE]\n\n"
         except (HTTPError, SessionError) as err:
             yield sse_error(err)
