@@ -313,6 +313,7 @@ class CapacityClient:
         self._settled = asyncio.Condition()
         self._recovering = asyncio.Lock()
         self._lost = False
+        self._reconciling = None  # the holder's (re)start count, sent but not yet applied
 
     async def acquire(self, timeout_s: float = 0.0, task_id: str | None = None, group_size: int | None = None) -> bool:
         while (granted := await self._call("acquire", timeout_s, task_id, group_size, self.holder)) is _RESTARTED:
@@ -324,13 +325,24 @@ class CapacityClient:
             await self.actor.note_accepted.remote(1)
 
     def reconcile(self, running: int):
-        return self.actor.reconcile.remote(running, self.holder)
+        """Tell the actor how many sessions the holder holds (it (re)started). Sent at
+        once (from a constructor, say); every later call of this client waits until
+        the actor has applied it: sent from another thread, an acquire could overtake
+        it and then be wiped by it (a slot held but no longer counted)."""
+        self._reconciling = self.actor.reconcile.remote(running, self.holder)
+        return self._reconciling
 
     async def _call(self, method: str, *args):
         """The call's answer; ``_RESTARTED`` when the actor restarted under it (the
         holder has reconciled since)."""
         from ray.exceptions import RayActorError
 
+        if self._reconciling is not None:
+            try:
+                await self._reconciling
+            except RayActorError:  # the actor died under it: recover says the count again
+                self._lost = True
+            self._reconciling = None
         await self._recover()
         self._in_flight += 1
         try:

@@ -520,3 +520,33 @@ async def test_the_state_written_on_every_change_does_not_grow_with_the_sessions
             await asyncio.sleep(0.2)
     assert stats["accepted"] == 1000  # the last state, read back
     ray_session.kill(actor)
+
+
+async def test_a_holders_calls_wait_until_its_start_count_is_applied():
+    """A holder sends its count when it (re)starts, from its constructor; an acquire
+    made next (from the event loop, another thread) must not reach the actor first,
+    or the count would wipe the slot it took (seen once in a full test run)."""
+    from actors.capacity import CapacityClient
+
+    order = []
+
+    class Method:
+        def __init__(self, call) -> None:
+            self.call = call
+
+        def remote(self, *args):
+            return asyncio.ensure_future(self.call(*args))
+
+    async def reconcile(running: int, holder: str) -> None:
+        await asyncio.sleep(0.05)  # the count is slow to arrive
+        order.append(("reconcile", running))
+
+    async def acquire(*args) -> bool:
+        order.append(("acquire",))
+        return True
+
+    actor = type("Actor", (), {"reconcile": Method(reconcile), "acquire": Method(acquire)})()
+    client = CapacityClient(actor, "store")
+    client.reconcile(0)
+    assert await client.acquire() and await client.acquire()
+    assert order == [("reconcile", 0), ("acquire",), ("acquire",)]
