@@ -216,7 +216,7 @@ class JobManager:
             job_id=job_id,
             status="queued",
             created_at=time.time(),
-            tags=request.tags,
+            tags=config.tags,  # the config's [tags] and the request's (synth-ai sends both)
             metadata=request.metadata,
             model=config.model.name,
             task_app_url=config.services.task_url,

@@ -250,3 +250,10 @@ async def test_a_queued_job_says_what_it_waits_for(tmp_path, ray_jobs):
     await jobs_manager.cancel(first, None)
     await jobs_manager._start_queued()
     assert (await jobs_manager.get(second, None))["waiting"] is None and second in ray_jobs.submitted
+
+
+async def test_a_jobs_tags_are_its_configs_and_its_requests(tmp_path, ray_jobs):
+    jobs_manager = manager(tmp_path, ray_jobs)
+    request = body(tags={"experiment": "math"}) | {"tags": {"source": "train-cli"}}  # synth-ai's SDK sends both
+    job_id = (await jobs_manager.submit(request, None))["job_id"]
+    assert (await jobs_manager.get(job_id, None))["tags"] == {"experiment": "math", "source": "train-cli"}

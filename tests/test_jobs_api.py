@@ -400,6 +400,7 @@ def test_synth_ais_own_sdk_submits_polls_and_resubmits_a_job(jobsgw, tmp_path):
     assert final["status"] == "succeeded", (final["error"], final["progress"])
     assert final["progress"]["step"] == 2 and [c["step"] for c in final["results"]["checkpoints"]] == [2]
     assert final["model"] == "tiny-random" and final["results"]["final_reward"] is not None
+    assert final["tags"]["experiment"] == "sdk"  # the config's [tags], kept on the job
     events = RLJob.from_job_id(answer["job_id"], jobsgw.url, jobsgw.admin_key).events()
     [ignored] = [e for e in events if e["type"] == "rl.config.ignored"]
     assert "training.log_interval" in ignored["message"] and "topology.type" in ignored["message"]
