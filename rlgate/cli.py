@@ -217,12 +217,12 @@ def _http_command(args) -> int:
 
 def _train_here(args) -> int:
     """``train_driver.py`` with this config, on this machine's Ray (started if none runs)."""
-    import train_driver
-
     if args.idempotency_key or args.poll:
         print("rlgate: error: --idempotency-key and --poll are for jobs on a gateway", file=sys.stderr)
         print("rlgate: hint: give the gateway with --backend or RLGATE_URL", file=sys.stderr)
         return 2
+    import train_driver  # Ray, torch: only once it is sure to run
+
     if args.task_app_key:
         os.environ["ENVIRONMENT_API_KEY"] = args.task_app_key
     driver = ["--config", args.config] + (["--resume"] if args.resume else [])

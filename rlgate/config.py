@@ -427,17 +427,24 @@ def dump_config(config: RLGateConfig, path: str | Path) -> Path:
 
 def parse_config(data: dict, source: str = "config") -> RLGateConfig:
     """Validate a config mapping; the synth-ai RL TOML shape is recognised and mapped."""
-    from rlgate.synth import from_synth, is_synth_shape
+    return parse_config_noting(data, source)[0]
 
+
+def parse_config_noting(data: dict, source: str = "config") -> tuple[RLGateConfig, list[str]]:
+    """:func:`parse_config`, and the synth-ai keys that change nothing here ("section.key: why")."""
+    from rlgate.synth import is_synth_shape, map_synth
+
+    ignored: list[str] = []
     if is_synth_shape(data):
         try:
-            data = from_synth(data, source)
+            mapped = map_synth(data, source)
         except ConfigError:
             raise
         except (TypeError, ValueError, AttributeError) as err:  # e.g. a number where a table was due
             raise ConfigError(f"{source}: a synth-ai key has a value of the wrong type: {err}") from None
+        data, ignored = mapped.config, mapped.ignored
     try:
-        return RLGateConfig.model_validate(data)
+        return RLGateConfig.model_validate(data), ignored
     except ValidationError as err:
         raise ConfigError(f"{source}: " + "; ".join(_describe(e) for e in err.errors())) from None
 

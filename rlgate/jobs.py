@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlgate.config import ConfigError, RLGateConfig, parse_config
-from rlgate.synth import from_synth, is_synth_shape, map_synth
+from rlgate.config import ConfigError, RLGateConfig, parse_config_noting
+from rlgate.synth import from_synth, is_synth_shape
 
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -152,16 +152,7 @@ def _job_config(request: JobRequest) -> tuple[RLGateConfig, list[str]]:
             for section, values in from_synth({"compute": request.compute}, "compute").items():
                 raw[section] = {**raw.get(section, {}), **values}
     source = "data.config" if request.data is not None else "config"
-    ignored: list[str] = []
-    if is_synth_shape(raw):
-        try:
-            mapped = map_synth(raw, source)
-        except (TypeError, ValueError, AttributeError) as err:
-            if isinstance(err, ConfigError):
-                raise
-            raise ConfigError(f"{source}: a synth-ai key has a value of the wrong type: {err}") from None
-        raw, ignored = mapped.config, mapped.ignored
-    config = parse_config(raw, source=source)
+    config, ignored = parse_config_noting(raw, source=source)
     model = data.model or data.base_model
     if model:
         config.model.name = model

@@ -76,31 +76,34 @@ def plan(config, trainer_gpus: float) -> list[Bundle]:
 def unplaceable(bundles: list[Bundle], nodes: list[dict[str, float]]) -> str | None:
     """Why ``bundles`` can never all be placed on ``nodes`` (each node's total
     resources), or None. First fit, largest first: a bundle must fit on one node."""
-    free = [dict(n) for n in nodes]
-    for bundle in sorted(bundles, key=lambda b: (b.gpus, b.cpus), reverse=True):
-        node = next((n for n in free if _fits(bundle, n)), None)
-        if node is None:
-            return _why(bundle, bundles, nodes)
-        for name, amount in bundle.as_ray().items():
-            node[name] = node.get(name, 0.0) - amount
-    return None
+    misfit, _ = _first_fit(bundles, nodes)
+    return None if misfit is None else _why(misfit, bundles, nodes)
 
 
 def shortfall(bundles: list[Bundle], free: list[dict[str, float]]) -> str | None:
     """What keeps ``bundles`` from being placed now on ``free`` (each node's free
     resources), in words, or None when they all fit. First fit, largest first."""
-    left = [dict(n) for n in free]
+    misfit, left = _first_fit(bundles, free)
+    if misfit is None:
+        return None
+    what = {"rollout": "a rollout replica", "trainer": "a trainer worker"}[misfit.role]
+    needs = f"{misfit.cpus:g} CPU" + (f" and {misfit.gpus:g} GPU" if misfit.gpus else "")
+    room = {name: max((n.get(name, 0.0) for n in left), default=0.0) for name in ("CPU", "GPU")}
+    have = f"{room['CPU']:g} CPU" + (f" and {room['GPU']:g} GPU" if misfit.gpus else "")
+    return f"needs {needs} for {what}; the most free on a node is {have}"
+
+
+def _first_fit(bundles: list[Bundle], nodes: list[dict[str, float]]) -> tuple[Bundle | None, list[dict]]:
+    """Place ``bundles`` on copies of ``nodes``, largest first: the first bundle that
+    fits nowhere (None if all fit) and what the nodes had left then."""
+    left = [dict(n) for n in nodes]
     for bundle in sorted(bundles, key=lambda b: (b.gpus, b.cpus), reverse=True):
         node = next((n for n in left if _fits(bundle, n)), None)
         if node is None:
-            what = {"rollout": "a rollout replica", "trainer": "a trainer worker"}[bundle.role]
-            needs = f"{bundle.cpus:g} CPU" + (f" and {bundle.gpus:g} GPU" if bundle.gpus else "")
-            room = {name: max((n.get(name, 0.0) for n in left), default=0.0) for name in ("CPU", "GPU")}
-            have = f"{room['CPU']:g} CPU" + (f" and {room['GPU']:g} GPU" if bundle.gpus else "")
-            return f"needs {needs} for {what}; the most free on a node is {have}"
+            return bundle, left
         for name, amount in bundle.as_ray().items():
             node[name] = node.get(name, 0.0) - amount
-    return None
+    return None, left
 
 
 def _fits(bundle: Bundle, node: dict[str, float]) -> bool:
