@@ -326,16 +326,30 @@ def forget_earlier_run(run: str, run_dir: Path) -> None:
     """A fresh run must not inherit published weights, sessions or capacity
     counts left in the cluster by an earlier run of the same name, nor take
     over its open sessions from their journal (kept aside, not deleted)."""
-    for suffix in ("policy", "capacity", "sessions"):
+    names = [f"{run}-{suffix}" for suffix in ("policy", "capacity", "sessions")]
+    for name in names:
         try:
-            ray.kill(ray.get_actor(f"{run}-{suffix}", namespace=NAMESPACE))
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE))
         except ValueError:
             pass  # no such actor: nothing to forget
+    # ray.kill returns before the actor is gone; until its name is freed, a
+    # get-or-create of this run would find the dying actor instead of a new one.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(_named_actor_alive(name) for name in names):
+        time.sleep(0.1)
     journal = run_dir / "sessions" / "journal.jsonl"
     if journal.exists() and journal.stat().st_size:
         aside = journal.with_name(f"journal-{time.strftime('%Y%m%d-%H%M%S')}.set-aside.jsonl")
         journal.rename(aside)
         print(f"rlgate: an earlier run's open sessions are not taken over; their journal is at {aside}", flush=True)
+
+
+def _named_actor_alive(name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+        return True
+    except ValueError:
+        return False
 
 
 def note_waiting(run_dir: Path, reason: str | None) -> None:

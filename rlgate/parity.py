@@ -5,8 +5,8 @@
 2. Take one real optimizer step on the reference, push the new state dict into
    the running engine in place, and score again. A stale tied ``lm_head`` or a
    partial update shows up here as a large difference.
-3. Optionally start a fresh engine on the updated weights: it must give exactly
-   the updated engine's tokens and logprobs.
+3. Optionally start a fresh engine on the updated weights: it must give the
+   updated engine's tokens, and its logprobs up to batch-dependent rounding.
 """
 
 from __future__ import annotations
@@ -228,6 +228,12 @@ def _diff_between(first, second) -> float:
     return worst
 
 
+# Two engines on the same weights differ only by rounding that depends on how
+# requests were batched (up to 8.1e-6 measured on SmolLM2's 30 layers); a stale
+# tied head or a partial push moves logprobs by more than 1e-2.
+FRESH_ENGINE_TOLERANCE = 5e-5
+
+
 def tolerance_for(model: str) -> float:
     """Default pass mark: 1e-4 for the tiny model, 2e-4 for real (deep) models,
     whose fp32 kernels differ from PyTorch's by up to about 1e-4."""
@@ -239,9 +245,10 @@ def failures(report: ParityReport, tolerance: float) -> list[str]:
     problems = []
     if report.max_abs_logprob_diff > tolerance:
         problems.append(f"logprobs differ from the reference by {report.max_abs_logprob_diff:.3e} > {tolerance:.1e}")
-    if report.diff_vs_fresh_engine is not None and report.diff_vs_fresh_engine > 1e-6:
+    if report.diff_vs_fresh_engine is not None and report.diff_vs_fresh_engine > FRESH_ENGINE_TOLERANCE:
         problems.append(
-            f"the updated engine differs from a fresh engine on the same weights by {report.diff_vs_fresh_engine:.3e}"
+            "the updated engine differs from a fresh engine on the same weights by "
+            f"{report.diff_vs_fresh_engine:.3e} > {FRESH_ENGINE_TOLERANCE:.0e}"
         )
     if report.greedy_agree + report.greedy_near_ties < report.greedy_total:
         problems.append("greedy decoding disagrees with the reference away from a near tie")

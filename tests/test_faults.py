@@ -440,7 +440,9 @@ def test_a_fresh_run_takes_over_nothing_an_earlier_run_of_its_name_left(ray_sess
     ray_session.get([actor.__ray_ready__.remote() for actor in earlier])
 
     forget_earlier_run(run, run_dir)
-    for actor in earlier:  # killed: a call fails (its name is freed a moment later)
+    for actor, suffix in zip(earlier, ("policy", "capacity", "sessions")):  # gone, and its name freed
+        with pytest.raises(ValueError):
+            ray_session.get_actor(f"{run}-{suffix}", namespace="rlgate")
         with pytest.raises(ray_session.exceptions.RayActorError):
             ray_session.get(actor.__ray_ready__.remote(), timeout=60)
     assert not journal.exists()
