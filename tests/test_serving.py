@@ -112,6 +112,17 @@ async def test_refusals_are_openai_errors_and_leave_the_session_usable(served):
         "/v1/chat/completions", json={"model": "tiny-random", "messages": [{"role": "user", "content": "x"}]}
     )
     assert keyless.status_code == 401 and "missing API key" in keyless.json()["error"]["message"]
+    # OpenAI's error shape: code a string (or null), type, param naming the field
+    assert keyless.json()["error"] | {"message": ""} == {
+        "message": "",
+        "type": "authentication_error",
+        "param": None,
+        "code": "invalid_api_key",
+    }
+    with pytest.raises(openai.BadRequestError) as refused:
+        await chat.create(model="tiny-random", messages=[{"role": "user", "content": "x"}], max_tokens=10**6)
+    assert refused.value.code is None and refused.value.type == "invalid_request_error"
+    assert refused.value.param == "max_tokens"
     reply = await chat.create(model="tiny-random", messages=[{"role": "user", "content": "x"}], max_tokens=2)
     assert reply.choices[0].message.content is not None
     stats = manager.stats()

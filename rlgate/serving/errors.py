@@ -31,6 +31,7 @@ class ServiceDown(HTTPError):
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     409: "conflict_error",
     410: "gone_error",
@@ -40,10 +41,30 @@ ERROR_TYPES = {
     429: "rate_limit_error",
 }
 
+# ``code`` is a string or null, as OpenAI sends it (the SDKs type it so); the
+# status is on the response line. A short machine-readable reason per status.
+ERROR_CODES = {
+    401: "invalid_api_key",
+    403: "permission_denied",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    410: "gone",
+    413: "request_too_large",
+    421: "misdirected_request",
+    429: "rate_limit_exceeded",
+    503: "service_unavailable",
+}
+
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
     return {
-        "error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param, "code": status}
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "server_error"),
+            "param": param,
+            "code": ERROR_CODES.get(status),
+        }
     }
 
 
