@@ -366,7 +366,8 @@ def test_a_killed_rollout_replica_fails_its_requests_cleanly_and_returns_on_the_
         answer, lines = answered.result(), streamed.result()
     assert answer.status_code == 503 and "rollout engine" in answer.json()["error"]["message"]
     last = json.loads(lines[-1].removeprefix("data: "))
-    assert last["error"]["code"] == "service_unavailable" and "rollout engine" in last["error"]["message"]  # the stream ends cleanly
+    # the stream ends cleanly
+    assert last["error"]["code"] == "service_unavailable" and "rollout engine" in last["error"]["message"]
 
     # Serve replaces the replica (requests meanwhile wait for it, or get a 503); it catches up to
     # version 1 before it takes traffic; both sessions go on

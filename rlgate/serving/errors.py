@@ -2,15 +2,16 @@
 
 Every refusal is an :class:`HTTPError` (or a :class:`rlgate.sessions.SessionError`
 from the session store) and reaches the client as
-``{"error": {"message", "type", "param", "code"}}`` with its status, so the
-official SDKs raise the right exception carrying our message.
+``{"error": {"message", "type", "param", "code"}}`` with its status (Anthropic's
+``{"type": "error", "error": {"type", "message"}}`` on its Messages route), so
+the official SDKs raise the right exception carrying our message.
 """
 
 from __future__ import annotations
 
 import json
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -68,9 +69,38 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     }
 
 
-def error_response(status: int, message: str, param: str | None = None, retry_after: float | None = None):
+# Anthropic's error ``type`` per status, for its Messages route.
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    kind = ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    retry_after: float | None = None,
+    path: str | None = None,
+):
+    """The error as its route's protocol shapes it: Anthropic's on ``.../messages``, else OpenAI's."""
     headers = {"Retry-After": str(int(retry_after + 0.999))} if retry_after is not None else None
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+    if path is not None and path.endswith("/messages"):
+        body = anthropic_error_body(status, message)
+    else:
+        body = error_body(status, message, param)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def sse_error(err: HTTPError | SessionError) -> str:
@@ -78,26 +108,27 @@ def sse_error(err: HTTPError | SessionError) -> str:
     return f"data: {json.dumps(error_body(err.status, err.message))}\n\n"
 
 
-async def _http_error(_, err: HTTPError):
-    return error_response(err.status, err.message, err.param, err.retry_after)
+async def _http_error(request: Request, err: HTTPError):
+    return error_response(err.status, err.message, err.param, err.retry_after, path=request.url.path)
 
 
-async def _no_route(_, err: StarletteHTTPException):
+async def _no_route(request: Request, err: StarletteHTTPException):
     """No such route (404) or method (405), in the same shape as everything else."""
     message = {404: "no such route", 405: "method not allowed on this route"}.get(err.status_code, str(err.detail))
-    return error_response(err.status_code, message)
+    return error_response(err.status_code, message, path=request.url.path)
 
 
-async def _session_error(_, err: SessionError):
-    return error_response(err.status, err.message, retry_after=err.retry_after)
+async def _session_error(request: Request, err: SessionError):
+    return error_response(err.status, err.message, retry_after=err.retry_after, path=request.url.path)
 
 
-async def _validation_error(_, err: RequestValidationError):
+async def _validation_error(request: Request, err: RequestValidationError):
     first = err.errors()[0]
     where = ".".join(str(part) for part in first["loc"] if part != "body")
+    path = request.url.path
     if first["type"] == "json_invalid":
-        return error_response(422, f"the body is not valid JSON: {first['msg']}")
-    return error_response(422, f"{where or 'body'}: {first['msg']}", param=where or None)
+        return error_response(422, f"the body is not valid JSON: {first['msg']}", path=path)
+    return error_response(422, f"{where or 'body'}: {first['msg']}", param=where or None, path=path)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -32,7 +32,9 @@ class BodyLimit:
         limit = self.limit
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limit:
-            too_big = error_response(413, f"request body of {int(declared)} bytes exceeds the {limit}-byte limit")
+            too_big = error_response(
+                413, f"request body of {int(declared)} bytes exceeds the {limit}-byte limit", path=scope["path"]
+            )
             return await too_big(scope, receive, send)
         seen = 0
 
@@ -64,7 +66,10 @@ class InFlightLimit:
             return await self.asgi(scope, receive, send)
         if self.running >= self.limit:
             busy = error_response(
-                503, f"this gateway replica has {self.limit} requests in flight; retry shortly", retry_after=1
+                503,
+                f"this gateway replica has {self.limit} requests in flight; retry shortly",
+                retry_after=1,
+                path=scope["path"],
             )
             return await busy(scope, receive, send)
         self.running += 1

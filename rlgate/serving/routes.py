@@ -14,6 +14,7 @@ from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
 from rlgate import api, jobs
+from rlgate.serving import anthropic
 from rlgate.serving.errors import install_error_handlers
 from rlgate.serving.middleware import install_middleware
 from rlgate.serving.service import GatewayService
@@ -146,6 +147,25 @@ def build_app(service: GatewayService, metrics: Metrics | None = None) -> FastAP
     async def completions(request: api.CompletionRequest, authorization: str | None = Header(None)):
         return await service.completions(request, authorization)
 
+    # --- Anthropic Messages -------------------------------------------------------
+    # The same session keys, as `x-api-key` (the anthropic SDK's api_key) or a bearer
+    # token (its auth_token); served as a chat completion in Anthropic's framing.
+
+    async def messages_turn(request: anthropic.MessagesRequest, authorization: str | None):
+        chat_request = anthropic.to_chat(request)
+        answer = await service.chat(chat_request, authorization, frame=anthropic.stream, id_prefix=anthropic.ID_PREFIX)
+        if request.stream:
+            return ClosingStream(answer, media_type="text/event-stream")
+        return Response(anthropic.to_message(answer).model_dump_json(), media_type="application/json")
+
+    @app.post("/v1/messages")
+    async def messages(
+        request: anthropic.MessagesRequest,
+        authorization: str | None = Header(None),
+        x_api_key: str | None = Header(None),
+    ):
+        return await messages_turn(request, authorization or (f"Bearer {x_api_key}" if x_api_key else None))
+
     # --- the session-scoped inference URL ----------------------------------------
     # start_session hands out `{gateway}/s/{session key}/v1`: the path is the
     # credential, so a task app given it as its inference_url needs no key of
@@ -161,6 +181,10 @@ def build_app(service: GatewayService, metrics: Metrics | None = None) -> FastAP
     @app.post("/s/{session_key}/chat/completions")
     async def scoped_chat_completions(session_key: str, request: api.ChatCompletionRequest):
         return await chat(request, f"Bearer {session_key}")
+
+    @app.post("/s/{session_key}/v1/messages")
+    async def scoped_messages(session_key: str, request: anthropic.MessagesRequest):
+        return await messages_turn(request, f"Bearer {session_key}")
 
     @app.post("/s/{session_key}/v1/completions")
     @app.post("/s/{session_key}/completions")

@@ -202,8 +202,12 @@ class GatewayService:
         except StopAsyncIteration:
             return chain([], chunks)
 
-    async def chat(self, request: api.ChatCompletionRequest, authorization: str | None):
-        """A ChatCompletion, or for ``stream`` the server-sent events that make one."""
+    async def chat(
+        self, request: api.ChatCompletionRequest, authorization: str | None, frame=None, id_prefix: str = "chatcmpl-"
+    ):
+        """A ChatCompletion, or for ``stream`` the server-sent events that make one:
+        OpenAI's, or ``frame(turn, params, chunks)``'s for another protocol (whose
+        answer ids start with ``id_prefix``)."""
         key_hash = self.auth.session_key(authorization)
         if self.renderer is None:
             raise HTTPError(400, "this model has no chat template; use /v1/completions")
@@ -238,12 +242,13 @@ class GatewayService:
                     ) from None
             self._check_prompt(prompt_ids)
             use_tools = self.tool_parser is not None and tools is not None and request.tool_choice != "none"
-            turn = Turn(self, request, params, session_id, prompt_ids, parent_id, keys[-1], use_tools)
+            turn = Turn(self, request, params, session_id, prompt_ids, parent_id, keys[-1], use_tools, id_prefix)
             if request.stream:
                 chunks = self.engine.stream(prompt_ids, params)
                 started = await self._started(chunks)
                 streaming = True  # the stream owns the turn now
-                return TurnStream(turn, turn.stream(params, started), chunks)
+                events = (frame or Turn.stream)(turn, params, started)
+                return TurnStream(turn, events, chunks)
             return await turn.complete(params)
         finally:
             if not streaming and (turn is None or not turn.recorded):

@@ -72,12 +72,21 @@ class Turn:
     """One chat completion request: generate, shape the answer, record the interactions."""
 
     def __init__(
-        self, service: GatewayService, request, params, session_id, prompt_ids, parent_id, messages_key, use_tools
+        self,
+        service: GatewayService,
+        request,
+        params,
+        session_id,
+        prompt_ids,
+        parent_id,
+        messages_key,
+        use_tools,
+        id_prefix: str = "chatcmpl-",
     ):
         self.g, self.request, self.params = service, request, params
         self.session_id, self.prompt_ids, self.parent_id = session_id, prompt_ids, parent_id
         self.messages_key, self.use_tools = messages_key, use_tools
-        self.id = "chatcmpl-" + secrets.token_hex(12)
+        self.id = id_prefix + secrets.token_hex(12)
         self.created = int(time.time())
         self.recorded = False
         self.settled = False  # recorded, or given back to the session (``settle``)
@@ -142,9 +151,11 @@ class Turn:
                 ]
                 or None,
             )
-            choices.append(
-                Choice(index=c.index, message=message, finish_reason=self._finish_reason(c, calls), logprobs=logprobs)
-            )
+            finish = self._finish_reason(c, calls)
+            # stop_reason, vLLM's extension: the stop string or token id that ended the choice
+            choice = Choice(index=c.index, message=message, finish_reason=finish, logprobs=logprobs)
+            choice.stop_reason = c.stop_reason
+            choices.append(choice)
         await self.g.sessions.record(self.session_id, interactions)
         self.recorded = True
         generated = sum(len(c.token_ids) for c in completions)
@@ -161,8 +172,8 @@ class Turn:
             ),
         )
 
-    def _chunk(self, choices, usage=None) -> str:
-        chunk = ChatCompletionChunk(
+    def _chunk(self, choices, usage=None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
             id=self.id,
             object="chat.completion.chunk",
             created=self.created,
@@ -170,11 +181,23 @@ class Turn:
             choices=choices,
             usage=usage,
         )
-        return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
 
     async def stream(self, params: SamplingParams, chunks: AsyncIterator) -> AsyncIterator[str]:
-        """Server-sent events from the engine's ``chunks``: text as tokens arrive, tool
-        calls once complete, the interactions recorded before the usage chunk and ``[DONE]``."""
+        """OpenAI's server-sent events for :meth:`chunks`, then ``[DONE]``; an error
+        after the stream began is one last event in OpenAI's error shape."""
+        try:
+            async for chunk in self.chunks(params, chunks):
+                yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+            yield "data: [DONE]\n\n"
+        except (HTTPError, SessionError) as err:
+            yield sse_error(err)
+        finally:  # also when the client goes away mid-stream
+            self.settle()
+
+    async def chunks(self, params: SamplingParams, chunks: AsyncIterator) -> AsyncIterator[ChatCompletionChunk]:
+        """The answer as chunks from the engine's ``chunks``: text as tokens arrive, tool
+        calls once complete, the interactions recorded before the usage chunk. A
+        refusal after the first chunk (engine or session down) is raised."""
         n = params.n
         texts = [TextStream(self.g.tokenizer, list(params.stop)) for _ in range(n)]
         calls_stream = [self.g.tool_parser.stream() if self.use_tools else None for _ in range(n)]
@@ -229,9 +252,10 @@ class Turn:
                             )
                         ]
                     )
-                yield self._chunk(
-                    [ChunkChoice(index=i, delta=ChoiceDelta(), finish_reason=self._finish_reason(completion, calls))]
-                )
+                finish = self._finish_reason(completion, calls)
+                stop = completion.stop_reason
+                ending = ChunkChoice(index=i, delta=ChoiceDelta(), finish_reason=finish, stop_reason=stop)
+                yield self._chunk([ending])
             await self.g.sessions.record(self.session_id, interactions)
             self.recorded = True
             options = self.request.stream_options
@@ -243,8 +267,5 @@ class Turn:
                     total_tokens=len(self.prompt_ids) + generated,
                 )
                 yield self._chunk([], usage=usage)
-            yield "data: [DONE]\n\n"
-        except (HTTPError, SessionError) as err:
-            yield sse_error(err)
         finally:  # also when the client goes away mid-stream
             self.settle()
