@@ -148,6 +148,46 @@ def test_streaming_sends_text_and_tool_calls_incrementally(gw):
     httpx.post(f"{gw.url}/rl/end_session", headers=session_headers(session["api_key"]))
 
 
+def test_an_anthropic_sdk_agent_plays_a_tool_episode_recorded_as_one_exact_sequence(gw):
+    """The official anthropic client, as a Claude-style agent: a streamed turn that
+    calls the calculator (tool_use), the tool_result sent back, the answer; the
+    session holds one token sequence with both turns, as for chat completions."""
+    import anthropic
+
+    session = gw.start_session("anthropic")
+    agent = anthropic.Anthropic(base_url=gw.url, api_key=session["api_key"], max_retries=0)
+    tool = {k: CALCULATOR_TOOL["function"][k] for k in ("name", "description")}
+    tool["input_schema"] = CALCULATOR_TOOL["function"]["parameters"]
+    asked = ask()
+    greedy = {"temperature": 0}  # an extension: the SDK no longer sends sampling fields
+    with agent.messages.stream(
+        model="tiny-tools", messages=asked, tools=[tool], max_tokens=64, extra_body=greedy
+    ) as stream:
+        kinds = [event.type for event in stream]
+        first = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "input_json" in kinds
+    assert first.stop_reason == "tool_use" and first.id.startswith("msg_")
+    [call] = [block for block in first.content if block.type == "tool_use"]
+    assert call.name == "calculator" and call.input == {"expression": "6 * 7"}
+    history = asked + [
+        {"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "42"}]},
+    ]
+    second = agent.messages.create(model="tiny-tools", messages=history, tools=[tool], max_tokens=64, extra_body=greedy)
+    assert [block.text for block in second.content] == ["The answer is 42."] and second.stop_reason == "end_turn"
+    headers = session_headers(session["api_key"])
+    reward = httpx.post(f"{gw.url}/rl/set_reward", json={"reward": 1.0}, headers=headers)
+    assert reward.json()["interaction_id"] == second.id
+    assert httpx.post(f"{gw.url}/rl/end_session", headers=headers).json()["interaction_count"] == 2
+    [record] = [r for r in gw.trajectories() if r["session_id"] == session["session_id"]]
+    assert record["interaction_ids"] == [first.id, second.id]
+    assert sum(record["loss_mask"]) == first.usage.output_tokens + second.usage.output_tokens
+    assert len(record["input_ids"]) == second.usage.input_tokens + second.usage.output_tokens
+    with pytest.raises(anthropic.APIStatusError) as ended:  # Anthropic's error shape on its route
+        agent.messages.create(model="tiny-tools", messages=asked, max_tokens=4)
+    assert ended.value.status_code == 410 and ended.value.body["type"] == "error"
+
+
 def test_areal_flow_at_the_root_base_url_with_refresh(gw):
     session = gw.start_session("areal")
     root = client(gw, session["api_key"], root=True)  # AReaL clients use the gateway root
