@@ -53,6 +53,17 @@ class ToolCallIn(BaseModel):
         return call
 
 
+def tool_call(call_id: str, name: str, arguments: str) -> dict:
+    """A tool call as a chat message carries it (OpenAI's shape)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def function_tool(name: str, description: str | None, parameters: dict | None) -> dict:
+    """A function tool as a chat request declares it."""
+    function = {"name": name, "description": description, "parameters": parameters}
+    return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]

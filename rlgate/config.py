@@ -153,6 +153,13 @@ class GatewayConfig(_Section):
         "tokens; past it a turn answers 413. Bounds what one key holder can make the session owner keep.",
     )
     max_messages: int = Field(1024, ge=1, description="Most messages in one chat request.")
+    responses_kept: int = Field(
+        4096,
+        ge=0,
+        le=1_000_000,
+        description="/v1/responses: how many recent responses each gateway replica keeps in memory for "
+        "previous_response_id (a session's are dropped when it ends); 0 keeps none.",
+    )
     max_n: int = Field(16, ge=1, le=128, description="Most choices per request.")
     max_completion_tokens: int = Field(
         4096, ge=1, description="Largest max_tokens a request may ask for (the context still caps it)."

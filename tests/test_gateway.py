@@ -188,6 +188,38 @@ def test_an_anthropic_sdk_agent_plays_a_tool_episode_recorded_as_one_exact_seque
     assert ended.value.status_code == 410 and ended.value.body["type"] == "error"
 
 
+def test_a_responses_api_agent_plays_a_tool_episode_recorded_as_one_exact_sequence(gw):
+    """The official openai client's Responses API: a streamed turn (the SDK's stream
+    helper) that calls the calculator, the function_call_output sent with
+    previous_response_id, the answer; one token sequence with both turns."""
+    session = gw.start_session("responses")
+    agent = client(gw, session["api_key"])
+    tool = {"type": "function", **CALCULATOR_TOOL["function"]}
+    with agent.responses.stream(
+        model="tiny-tools", input="What is 6 * 7?", tools=[tool], temperature=0, max_output_tokens=64
+    ) as stream:
+        kinds = [event.type for event in stream]
+        first = stream.get_final_response()
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    [call] = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "calculator" and json.loads(call.arguments) == {"expression": "6 * 7"}
+    second = agent.responses.create(
+        model="tiny-tools",
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "42"}],
+        tools=[tool],
+        temperature=0,
+        max_output_tokens=64,
+    )
+    assert second.output_text == "The answer is 42." and second.status == "completed"
+    headers = session_headers(session["api_key"])
+    assert httpx.post(f"{gw.url}/rl/end_session", headers=headers).json()["interaction_count"] == 2
+    [record] = [r for r in gw.trajectories() if r["session_id"] == session["session_id"]]
+    assert record["interaction_ids"] == [first.id, second.id]
+    assert sum(record["loss_mask"]) == first.usage.output_tokens + second.usage.output_tokens
+    assert len(record["input_ids"]) == second.usage.input_tokens + second.usage.output_tokens
+
+
 def test_areal_flow_at_the_root_base_url_with_refresh(gw):
     session = gw.start_session("areal")
     root = client(gw, session["api_key"], root=True)  # AReaL clients use the gateway root

@@ -37,7 +37,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rlgate import api
-from rlgate.serving.errors import HTTPError, anthropic_error_body
+from rlgate.serving.errors import HTTPError, anthropic_error_body, invalid_translation
 from rlgate.sessions import SessionError
 
 ID_PREFIX = "msg_"
@@ -136,11 +136,7 @@ def _messages(request: MessagesRequest) -> list[dict]:
         if message.role == "assistant":
             if any(isinstance(b, ToolResultIn) for b in blocks):
                 raise HTTPError(400, f"messages.{i}: tool_result blocks belong in user messages", param="messages")
-            calls = [
-                {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
-                for b in blocks
-                if isinstance(b, ToolUseIn)
-            ]
+            calls = [api.tool_call(b.id, b.name, json.dumps(b.input)) for b in blocks if isinstance(b, ToolUseIn)]
             out.append({"role": "assistant", "content": text or None, "tool_calls": calls or None})
             continue
         if any(isinstance(b, ToolUseIn) for b in blocks):
@@ -186,19 +182,11 @@ def to_chat(request: MessagesRequest) -> api.ChatCompletionRequest:
         "parallel_tool_calls": parallel,
     }
     if request.tools:
-        fields["tools"] = [
-            {
-                "type": "function",
-                "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
-            }
-            for t in request.tools
-        ]
+        fields["tools"] = [api.function_tool(t.name, t.description, t.input_schema) for t in request.tools]
     try:
         return api.ChatCompletionRequest(**fields)
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise HTTPError(400, f"{where}: {first['msg']}", param=where or None) from None
+        raise invalid_translation(err) from None
 
 
 def _stop(finish_reason: str | None, stop_reason) -> tuple[str, str | None]:

@@ -25,6 +25,13 @@ class HTTPError(Exception):
         self.status, self.message, self.param, self.retry_after = status, message, param, retry_after
 
 
+def invalid_translation(err) -> HTTPError:
+    """A 400 for a request of another protocol whose chat translation is invalid (a pydantic ValidationError)."""
+    first = err.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    return HTTPError(400, f"{where}: {first['msg']}", param=where or None)
+
+
 class ServiceDown(HTTPError):
     """An actor behind a route died (Ray may be restarting it)."""
 

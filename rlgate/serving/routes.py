@@ -11,10 +11,10 @@ route, and the interactive pages are off.
 from __future__ import annotations
 
 from fastapi import FastAPI, Header, Query, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rlgate import api, jobs
-from rlgate.serving import anthropic
+from rlgate.serving import anthropic, responses
 from rlgate.serving.errors import install_error_handlers
 from rlgate.serving.middleware import install_middleware
 from rlgate.serving.service import GatewayService
@@ -166,6 +166,20 @@ def build_app(service: GatewayService, metrics: Metrics | None = None) -> FastAP
     ):
         return await messages_turn(request, authorization or (f"Bearer {x_api_key}" if x_api_key else None))
 
+    # --- OpenAI Responses ---------------------------------------------------------
+
+    async def responses_turn(request: responses.ResponsesRequest, authorization: str | None):
+        call = responses.ResponsesCall(request, service.responses, service.auth.session_key(authorization))
+        answer = await service.chat(call.chat, authorization, frame=call.stream, id_prefix=responses.ID_PREFIX)
+        if request.stream:
+            return ClosingStream(answer, media_type="text/event-stream")
+        return JSONResponse(call.response(answer))
+
+    @app.post("/v1/responses")
+    @app.post("/responses")
+    async def create_response(request: responses.ResponsesRequest, authorization: str | None = Header(None)):
+        return await responses_turn(request, authorization)
+
     # --- the session-scoped inference URL ----------------------------------------
     # start_session hands out `{gateway}/s/{session key}/v1`: the path is the
     # credential, so a task app given it as its inference_url needs no key of
@@ -185,6 +199,11 @@ def build_app(service: GatewayService, metrics: Metrics | None = None) -> FastAP
     @app.post("/s/{session_key}/v1/messages")
     async def scoped_messages(session_key: str, request: anthropic.MessagesRequest):
         return await messages_turn(request, f"Bearer {session_key}")
+
+    @app.post("/s/{session_key}/v1/responses")
+    @app.post("/s/{session_key}/responses")
+    async def scoped_responses(session_key: str, request: responses.ResponsesRequest):
+        return await responses_turn(request, f"Bearer {session_key}")
 
     @app.post("/s/{session_key}/v1/completions")
     @app.post("/s/{session_key}/completions")

@@ -28,6 +28,7 @@ from rlgate.engines import SamplingParams
 from rlgate.openai_format import TokenText, visible_text
 from rlgate.serving.auth import Auth, bearer
 from rlgate.serving.errors import HTTPError, error_response
+from rlgate.serving.responses import ResponseLog
 from rlgate.serving.turns import Turn, TurnStream, chain, choice_id
 from rlgate.sessions import hash_key, new_session_key
 from rlgate.toolcalls import detect_parser, get_parser
@@ -60,6 +61,7 @@ class GatewayService:
             parser = detect_parser(tokenizer.chat_template)
         self.tool_parser = get_parser(parser) if parser not in (None, "none") else None
         self.model_names = [settings.served_model_name, *gateway.model_aliases, "default"]
+        self.responses = ResponseLog(gateway.responses_kept)  # for /v1/responses' previous_response_id
 
     # --- health and status ---------------------------------------------------
 
@@ -103,6 +105,7 @@ class GatewayService:
             if owner is not None and self.peers is not None:  # a refresh belongs with the key's sessions
                 return await self.peers.start_session(owner, body, base_url, authorization)
             key, refresh = body.api_key, hash_key(body.api_key)
+            self.responses.forget(refresh)  # the next episode does not continue the last one's responses
         else:
             key, refresh = new_session_key(None if slot is None else slot.index), None
         session_id = await self.sessions.start(
@@ -123,6 +126,7 @@ class GatewayService:
         key_hash = self.auth.session_key(authorization)
         failed = body is not None and body.failed
         count = await self.sessions.end(key_hash, failed)
+        self.responses.forget(key_hash)
         message = (
             "session ended as failed; nothing of it is trained on" if failed else "session ended; trajectory saved"
         )
