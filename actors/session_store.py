@@ -61,8 +61,9 @@ class SessionStore:
         group_size: int | None = None,
         wait_s: float = 0.0,
         train: bool = True,
+        follow_template: bool = False,
     ) -> str:
-        return await self.owned.start(task_id, key_hash, refresh_key_hash, group_size, wait_s, train)
+        return await self.owned.start(task_id, key_hash, refresh_key_hash, group_size, wait_s, train, follow_template)
 
     async def begin(self, key_hash: str, candidate_keys: list[str]) -> tuple[str, Parent | None]:
         return await self.owned.begin(key_hash, candidate_keys)

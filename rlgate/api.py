@@ -71,6 +71,8 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = Field(None, description="vLLM's name for reasoning_content.")
 
     @model_validator(mode="after")
     def _check(self) -> ChatMessage:
@@ -80,10 +82,13 @@ class ChatMessage(BaseModel):
             raise ValueError("only assistant messages carry tool_calls")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs tool_call_id")
+        if (self.reasoning_content is not None or self.reasoning is not None) and self.role != "assistant":
+            raise ValueError("only assistant messages carry reasoning_content")
         return self
 
-    def for_template(self) -> dict:
-        """The message as chat templates expect it: text content, developer as system."""
+    def for_template(self, reasoning: bool = False) -> dict:
+        """The message as chat templates expect it: text content, developer as
+        system; ``reasoning``: with its ``reasoning_content`` (else dropped)."""
         text = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.name is not None:
@@ -92,6 +97,9 @@ class ChatMessage(BaseModel):
             message["tool_calls"] = [call.for_template() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        thought = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning and thought is not None:
+            message["reasoning_content"] = thought
         return message
 
 
@@ -160,6 +168,37 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM's extension: more variables for the chat template (enable_thinking, ...)."
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value):
+        reserved = sorted(set(value or {}) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"{reserved[0]!r} is set by the gateway, not by the request")
+        return value
+
+
+# Arguments of apply_chat_template the gateway sets itself.
+RESERVED_TEMPLATE_KWARGS = {
+    "conversation",
+    "messages",
+    "tools",
+    "documents",
+    "chat_template",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+}
 
 
 class CompletionRequest(_Sampling):
@@ -220,6 +259,11 @@ class StartSessionRequest(BaseModel):
     train: bool = Field(
         True,
         description="false: an evaluation session; it takes no capacity slot and nothing of it is saved or trained on.",
+    )
+    reasoning_history: Literal["tokens", "template"] | None = Field(
+        None,
+        description="How this session's later turns see earlier thinking (default: [gateway] reasoning_history). "
+        "tokens: continue from the sampled tokens, token-exact; template: render each turn afresh.",
     )
 
 

@@ -75,19 +75,32 @@ class ChatRenderer:
         # What the template writes after an assistant turn's content ("<|im_end|>\n" for ChatML).
         self.turn_tail = probe[probe.rindex(_PROBE) + len(_PROBE) :]
 
-    def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
+    def render(
+        self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool, template_kwargs=None
+    ) -> str:
+        """``template_kwargs``: more variables for the template (``enable_thinking``, ...)."""
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=False
+            messages,
+            tools=tools or None,
+            add_generation_prompt=generation_prompt,
+            tokenize=False,
+            **(template_kwargs or {}),
         )
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def prompt_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        return self.encode(self.render(messages, tools, True))
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None, template_kwargs=None) -> list[int]:
+        return self.encode(self.render(messages, tools, True, template_kwargs))
 
     def continuation_ids(
-        self, messages: list[dict], tools: list[dict] | None, upto: int, earlier: list[int], ended_with: list[int]
+        self,
+        messages: list[dict],
+        tools: list[dict] | None,
+        upto: int,
+        earlier: list[int],
+        ended_with: list[int],
+        template_kwargs=None,
     ) -> list[int] | None:
         """Prompt ids for ``messages`` when ``messages[: upto + 1]`` is an earlier
         exchange whose prompt + completion ids were ``earlier``; ``ended_with`` is
@@ -96,8 +109,8 @@ class ChatRenderer:
         templates drop earlier reasoning), so the prompt cannot be a verbatim
         extension and is tokenized afresh instead.
         """
-        full = self.render(messages, tools, True)
-        prefix = self.render(messages[: upto + 1], tools, False)
+        full = self.render(messages, tools, True, template_kwargs)
+        prefix = self.render(messages[: upto + 1], tools, False, template_kwargs)
         if not full.startswith(prefix) or not prefix.endswith(self.turn_tail):
             return None
         produced = self.tokenizer.decode(ended_with, skip_special_tokens=False) if ended_with else ""

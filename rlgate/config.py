@@ -118,6 +118,19 @@ class GatewayConfig(_Section):
     tool_parser: Literal["auto", "hermes", "none"] = Field(
         "auto", description="Tool-call format; auto detects it from the chat template."
     )
+    reasoning_parser: str | None = Field(
+        None,
+        min_length=1,
+        description="A reasoning parser of vLLM's registry (qwen3, deepseek_r1, ...): answers carry the "
+        "model's thinking as reasoning_content. Unset: thinking stays in content.",
+    )
+    reasoning_history: Literal["tokens", "template"] = Field(
+        "tokens",
+        description="How a later turn sees earlier thinking. tokens: it continues from the sampled tokens, "
+        "thinking kept, token-exact, even where the template would strip it; template: each turn is rendered "
+        "afresh by the chat template (earlier thinking as the template shows it), a new sequence per turn. "
+        "A session may choose at start_session.",
+    )
     max_running_jobs: int = Field(1, ge=1, le=1000, description="RL jobs (/api/rl/jobs) run at once; more wait queued.")
     access_log: bool = Field(
         True,

@@ -63,6 +63,7 @@ class SessionJournal:
                 "key_hash": session.key_hash,
                 "group_size": session.group_size,
                 "train": session.train,
+                "follow_template": session.follow_template,
                 "created_at": session.trajectory.created_at,
             }
         )

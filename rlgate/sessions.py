@@ -66,6 +66,7 @@ class Session:
     train: bool = True  # False: an evaluation session, never saved or trained on
     save_failed: bool = False  # an end could not confirm its save: only a retried end may follow
     stored_tokens: int = 0  # prompt (once per request) and completion tokens of its interactions
+    follow_template: bool = False  # each turn rendered afresh by the chat template, never continued
 
     def busy(self, now: float) -> bool:
         return any(now - started < MAX_REQUEST_S for started in self.requests)
@@ -142,6 +143,7 @@ class SessionManager:
                 created_at=fields["created_at"],
                 group_size=fields["group_size"],
                 train=fields["train"],
+                follow_template=fields.get("follow_template", False),
                 save_failed=fields.get("save_failed", False),
                 stored_tokens=stored_tokens(fields["trajectory"].interactions.values()),
             )
@@ -169,19 +171,22 @@ class SessionManager:
         group_size: int | None = None,
         wait_s: float = 0.0,
         train: bool = True,
+        follow_template: bool = False,
     ) -> str:
         """Start a session under ``key_hash``; with ``refresh_key_hash`` (the same
         key) end that key's live session first. ``group_size`` overrides the
         trainer's group size for this session's task; ``wait_s`` is how long a
         new session may wait for capacity. ``train=False`` starts an evaluation
         session: it takes no capacity slot and nothing of it is saved or
-        trained on. Returns the session id."""
+        trained on. ``follow_template``: no turn continues an earlier one (each
+        prompt is rendered afresh). Returns the session id."""
+        options = {"group_size": group_size, "follow_template": follow_template}
         if self.refusing:
             raise SessionError(503, self.refusing)
         if not train:
             if refresh_key_hash is not None:
                 raise SessionError(400, "an evaluation session (train: false) starts with a new key, not a refresh")
-            return self._open(task_id, key_hash, group_size, train=False)
+            return self._open(task_id, key_hash, train=False, **options)
         if refresh_key_hash is None:
             if not await self.capacity.acquire(wait_s, task_id, group_size):
                 self.counters["rejected"] += 1
@@ -189,7 +194,7 @@ class SessionManager:
                 if wait_s > 0:
                     message = f"no capacity for a new session within {wait_s:g} s; retry later"
                 raise SessionError(429, message, self.retry_after_s)
-            return await self._open_holding(task_id, key_hash, group_size)
+            return await self._open_holding(task_id, key_hash, options)
         if refresh_key_hash in self._refreshing or refresh_key_hash in self._closing:
             raise SessionError(409, "this key is already being refreshed by another request")
         if refresh_key_hash not in self._by_key and refresh_key_hash not in self._ended:
@@ -207,24 +212,39 @@ class SessionManager:
                     f"one came within {self.refresh_timeout_s:g} s; retry start_session with the same api_key",
                     self.retry_after_s,
                 )
-            session_id = await self._open_holding(task_id, refresh_key_hash, group_size)
+            session_id = await self._open_holding(task_id, refresh_key_hash, options)
             self._ended.pop(refresh_key_hash, None)
             return session_id
         finally:
             self._refreshing.discard(refresh_key_hash)
 
-    async def _open_holding(self, task_id: str, key_hash: str, group_size: int | None) -> str:
+    async def _open_holding(self, task_id: str, key_hash: str, options: dict) -> str:
         """Open a session in the capacity slot just acquired; the slot goes back if it cannot open."""
         try:
-            return self._open(task_id, key_hash, group_size)
+            return self._open(task_id, key_hash, **options)
         except SessionError:
             await self.capacity.release(accepted=False)
             raise
 
-    def _open(self, task_id: str, key_hash: str, group_size: int | None = None, train: bool = True) -> str:
+    def _open(
+        self,
+        task_id: str,
+        key_hash: str,
+        group_size: int | None = None,
+        train: bool = True,
+        follow_template: bool = False,
+    ) -> str:
         session_id = "sess-" + secrets.token_hex(12)
         trajectory = SessionTrajectory(session_id, task_id)
-        session = Session(session_id, task_id, key_hash, trajectory, group_size=group_size, train=train)
+        session = Session(
+            session_id,
+            task_id,
+            key_hash,
+            trajectory,
+            group_size=group_size,
+            train=train,
+            follow_template=follow_template,
+        )
         self._journal("start the session", lambda journal: journal.opened(session))
         self.sessions[session_id] = session
         self._by_key[key_hash] = session_id
@@ -359,7 +379,7 @@ class SessionManager:
         session = self._changeable(key_hash)
         self._within_limits(session, 0, 0)
         session.requests.append(time.monotonic())
-        parent = session.trajectory.find(candidate_keys)
+        parent = None if session.follow_template else session.trajectory.find(candidate_keys)
         if parent is None:
             return session.id, None
         return session.id, Parent(parent.id, parent.key, parent.sequence, parent.completion_ids[-1:])

@@ -133,7 +133,9 @@ def test_continuation_is_none_when_monkeypatched_render_differs(renderer, monkey
     earlier = renderer.prompt_ids(first, None) + done
     messages = first + [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
     real = renderer.render
-    monkeypatch.setattr(renderer, "render", lambda ms, tools, gen: real(ms, tools, gen) + ("" if gen else "extra"))
+    monkeypatch.setattr(
+        renderer, "render", lambda ms, tools, gen, kwargs=None: real(ms, tools, gen, kwargs) + ("" if gen else "extra")
+    )
     assert renderer.continuation_ids(messages, None, 1, earlier, done[-1:]) is None
 
 

@@ -49,8 +49,9 @@ class SessionClient:
     def __init__(self, store) -> None:
         self.store = store
 
-    async def start(self, task_id, key_hash, refresh_key_hash, group_size, wait_s, train) -> str:
-        return await settle(self.store.start.remote(task_id, key_hash, refresh_key_hash, group_size, wait_s, train))
+    async def start(self, task_id, key_hash, refresh_key_hash, group_size, wait_s, train, follow_template) -> str:
+        call = self.store.start.remote(task_id, key_hash, refresh_key_hash, group_size, wait_s, train, follow_template)
+        return await settle(call)
 
     async def begin(self, key_hash: str, candidate_keys: list[str]) -> tuple[str, Parent | None]:
         return await settle(self.store.begin.remote(key_hash, candidate_keys))

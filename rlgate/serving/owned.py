@@ -33,8 +33,8 @@ class LocalSessions:
     def __init__(self, manager: SessionManager) -> None:
         self.manager = manager
 
-    async def start(self, task_id, key_hash, refresh_key_hash, group_size, wait_s, train) -> str:
-        return await self.manager.start(task_id, key_hash, refresh_key_hash, group_size, wait_s, train)
+    async def start(self, task_id, key_hash, refresh_key_hash, group_size, wait_s, train, follow_template) -> str:
+        return await self.manager.start(task_id, key_hash, refresh_key_hash, group_size, wait_s, train, follow_template)
 
     async def begin(self, key_hash: str, candidate_keys: list[str]) -> tuple[str, Parent | None]:
         return self.manager.begin(key_hash, candidate_keys)
@@ -110,10 +110,19 @@ class OwnedSessions(LocalSessions):
         if self._orphans and self._ending_orphans is None:
             self._ending_orphans = asyncio.create_task(self.manager.end_sessions(self._orphans, reason="restart"))
 
-    async def start(self, task_id, key_hash, refresh_key_hash=None, group_size=None, wait_s=0.0, train=True) -> str:
+    async def start(
+        self,
+        task_id,
+        key_hash,
+        refresh_key_hash=None,
+        group_size=None,
+        wait_s=0.0,
+        train=True,
+        follow_template=False,
+    ) -> str:
         self._ensure_sweeper()
         try:
-            return await super().start(task_id, key_hash, refresh_key_hash, group_size, wait_s, train)
+            return await super().start(task_id, key_hash, refresh_key_hash, group_size, wait_s, train, follow_template)
         finally:
             self._report()
 

@@ -26,6 +26,7 @@ from rlgate.chat import ChatRenderer, exchange_keys
 from rlgate.config import RLGateConfig
 from rlgate.engines import SamplingParams
 from rlgate.openai_format import TokenText, visible_text
+from rlgate.reasoning import ReasoningParser
 from rlgate.serving.auth import Auth, bearer
 from rlgate.serving.errors import HTTPError, error_response
 from rlgate.serving.responses import ResponseLog
@@ -60,6 +61,7 @@ class GatewayService:
         if parser == "auto":
             parser = detect_parser(tokenizer.chat_template)
         self.tool_parser = get_parser(parser) if parser not in (None, "none") else None
+        self.reasoning = ReasoningParser(gateway.reasoning_parser, tokenizer) if gateway.reasoning_parser else None
         self.model_names = [settings.served_model_name, *gateway.model_aliases, "default"]
         self.responses = ResponseLog(gateway.responses_kept)  # for /v1/responses' previous_response_id
 
@@ -108,8 +110,9 @@ class GatewayService:
             self.responses.forget(refresh)  # the next episode does not continue the last one's responses
         else:
             key, refresh = new_session_key(None if slot is None else slot.index), None
+        follow_template = (body.reasoning_history or self.settings.gateway.reasoning_history) == "template"
         session_id = await self.sessions.start(
-            body.task_id, hash_key(key), refresh, body.group_size, body.wait_s, body.train
+            body.task_id, hash_key(key), refresh, body.group_size, body.wait_s, body.train, follow_template
         )
         base = self.settings.gateway.public_url or base_url
         inference_url = f"{base.rstrip('/')}/s/{key}/v1"
@@ -206,6 +209,24 @@ class GatewayService:
         except StopAsyncIteration:
             return chain([], chunks)
 
+    def _prompt(self, request: api.ChatCompletionRequest, messages, tools, keys, parent):
+        """(prompt ids, the interaction they continue or None): the earlier ids
+        verbatim when the request continues ``parent`` (its thinking is in them:
+        the renders are compared without it), else rendered afresh, with earlier
+        thinking as the template shows it."""
+        template_kwargs = request.chat_template_kwargs
+        try:
+            if parent is not None:
+                prompt_ids = self.renderer.continuation_ids(
+                    messages, tools, keys.index(parent.key), parent.sequence, parent.last_token, template_kwargs
+                )
+                if prompt_ids is not None:
+                    return prompt_ids, parent.interaction_id
+            fresh = [m.for_template(reasoning=True) for m in request.messages]
+            return self.renderer.prompt_ids(fresh, tools, template_kwargs), None
+        except Exception as err:  # the model's own template refused these messages
+            raise HTTPError(400, f"the chat template cannot render these messages: {err}", param="messages") from None
+
     async def chat(
         self, request: api.ChatCompletionRequest, authorization: str | None, frame=None, id_prefix: str = "chatcmpl-"
     ):
@@ -231,19 +252,7 @@ class GatewayService:
         turn, streaming = None, False
         try:  # from here the request is in flight in its session until recorded or abandoned
             self._check_request(request)  # after the key is known good: its errors name the served models
-            prompt_ids = None
-            if parent is not None:
-                prompt_ids = self.renderer.continuation_ids(
-                    messages, tools, keys.index(parent.key), parent.sequence, parent.last_token
-                )
-            parent_id = parent.interaction_id if parent is not None and prompt_ids is not None else None
-            if prompt_ids is None:
-                try:
-                    prompt_ids = self.renderer.prompt_ids(messages, tools)
-                except Exception as err:  # the model's own template refused these messages
-                    raise HTTPError(
-                        400, f"the chat template cannot render these messages: {err}", param="messages"
-                    ) from None
+            prompt_ids, parent_id = self._prompt(request, messages, tools, keys, parent)
             self._check_prompt(prompt_ids)
             use_tools = self.tool_parser is not None and tools is not None and request.tool_choice != "none"
             turn = Turn(self, request, params, session_id, prompt_ids, parent_id, keys[-1], use_tools, id_prefix)

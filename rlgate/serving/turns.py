@@ -100,11 +100,15 @@ class Turn:
         self.settled = True
 
     def _answer(self, text: str):
-        """(content, tool calls) as returned to the client."""
+        """(reasoning, content, tool calls) as returned to the client."""
+        reasoning = None
+        if self.g.reasoning is not None:
+            split = self.g.reasoning.split(text, self.request.chat_template_kwargs)
+            reasoning, text = split.reasoning, split.content
         if not self.use_tools:
-            return text, []
+            return reasoning, text, []
         parsed = self.g.tool_parser.parse(text)
-        return parsed.content, parsed.tool_calls
+        return reasoning, parsed.content, parsed.tool_calls
 
     def _interaction(self, completion, content, calls) -> Interaction:
         message = {
@@ -133,7 +137,7 @@ class Turn:
         completions = await self.g.engine.generate_all(self.prompt_ids, params)
         choices, interactions = [], []
         for c in completions:
-            content, calls = self._answer(visible_text(self.g.tokenizer, c.token_ids, c.stop_reason))
+            reasoning, content, calls = self._answer(visible_text(self.g.tokenizer, c.token_ids, c.stop_reason))
             interactions.append(self._interaction(c, content, calls))
             logprobs = None
             if self.request.logprobs:
@@ -151,6 +155,8 @@ class Turn:
                 ]
                 or None,
             )
+            if self.g.reasoning is not None:  # the model's thinking, apart (as vLLM's reasoning parsers give it)
+                message.reasoning_content = reasoning
             finish = self._finish_reason(c, calls)
             # stop_reason, vLLM's extension: the stop string or token id that ended the choice
             choice = Choice(index=c.index, message=message, finish_reason=finish, logprobs=logprobs)
@@ -201,6 +207,8 @@ class Turn:
         n = params.n
         texts = [TextStream(self.g.tokenizer, list(params.stop)) for _ in range(n)]
         calls_stream = [self.g.tool_parser.stream() if self.use_tools else None for _ in range(n)]
+        reasoning = self.g.reasoning
+        thinking = [reasoning.stream(self.request.chat_template_kwargs) if reasoning else None for _ in range(n)]
         done = [Completion(index=i) for i in range(n)]
         sent = [""] * n  # content already streamed, per choice
         try:
@@ -212,6 +220,12 @@ class Turn:
                 text = texts[i].push(chunk.token_ids)
                 if chunk.finish_reason is not None:
                     text += texts[i].finish(chunk.stop_reason)
+                thought = ""
+                if thinking[i] is not None:
+                    thought, text = thinking[i].feed(text, chunk.token_ids)
+                    if chunk.finish_reason is not None:
+                        held_thought, held_text = thinking[i].finish()
+                        thought, text = thought + held_thought, text + held_text
                 pieces = calls_stream[i].feed(text) if calls_stream[i] else [text]
                 logprobs = None
                 if self.request.logprobs:
@@ -220,8 +234,11 @@ class Turn:
                     )
                 content = "".join(pieces)
                 sent[i] += content
-                if content or logprobs:
-                    yield self._chunk([ChunkChoice(index=i, delta=ChoiceDelta(content=content), logprobs=logprobs)])
+                if content or logprobs or thought:
+                    delta = ChoiceDelta(content=content or (None if thought else ""))
+                    if thought:
+                        delta.reasoning_content = thought
+                    yield self._chunk([ChunkChoice(index=i, delta=delta, logprobs=logprobs)])
             interactions = []
             for i, completion in enumerate(done):
                 if calls_stream[i]:
@@ -231,7 +248,9 @@ class Turn:
                     if rest:
                         yield self._chunk([ChunkChoice(index=i, delta=ChoiceDelta(content=rest))])
                 else:
-                    content, calls = visible_text(self.g.tokenizer, completion.token_ids, completion.stop_reason), []
+                    _, content, calls = self._answer(
+                        visible_text(self.g.tokenizer, completion.token_ids, completion.stop_reason)
+                    )
                 interactions.append(self._interaction(completion, content, calls))
                 if calls:
                     yield self._chunk(
