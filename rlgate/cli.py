@@ -8,6 +8,7 @@
     rlgate train --config X --backend URL [--task-app URL] [--poll]   an RL job on a running gateway
     rlgate jobs list | status ID | events ID | cancel ID
     rlgate session start --task-id T | reward --key K R | end --key K [--failed]
+    rlgate trajectories export RUN --out FILE [--format parquet|jsonl] [--model NAME]
 
 The HTTP commands talk to ``--backend`` (default ``$RLGATE_URL``, else
 http://127.0.0.1:8000; for ``train``, no gateway means training here) with
@@ -94,6 +95,17 @@ def _parser() -> argparse.ArgumentParser:
     end = http(session.add_parser("end", help="end a session (its trajectory is saved)"))
     end.add_argument("--key", required=True, help="the session's api_key")
     end.add_argument("--failed", action="store_true", help="the episode failed: train on none of it")
+
+    trajectories = commands.add_parser("trajectories", help="saved trajectories").add_subparsers(
+        dest="action", required=True
+    )
+    export = trajectories.add_parser(
+        "export", help="a run's records, with their text decoded, as Parquet (pandas, datasets) or JSON lines"
+    )
+    export.add_argument("run", help="the run folder (holding trajectories/)")
+    export.add_argument("--out", required=True, help="the file to write")
+    export.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
+    export.add_argument("--model", help="whose tokenizer decodes the text (default: the run's config.toml)")
     return parser
 
 
@@ -129,10 +141,25 @@ def main(argv: list[str] | None = None) -> int:
             from rlgate.scripted_chat import run_chat
 
             return run_chat(args.config)
+        if args.command == "trajectories":
+            return _export(args)
     except (ModelNotFoundError, ValueError) as err:
         print(f"rlgate: error: {err}", file=sys.stderr)
         return 2
     return 2
+
+
+def _export(args) -> int:
+    from transformers import AutoTokenizer
+
+    from rlgate.export import export, run_model
+
+    model = args.model or run_model(args.run)
+    if model is None:
+        raise ValueError(f"{args.run} has no config.toml naming its model; pass --model")
+    count = export(args.run, args.out, args.format, AutoTokenizer.from_pretrained(prepare_model(model)))
+    print(f"{count} records -> {args.out}")
+    return 0
 
 
 def _check_parity(args) -> int:
