@@ -115,9 +115,35 @@ class Tool(BaseModel):
     function: FunctionSpec
 
 
+class NamedFunction(BaseModel):
+    name: str = Field(min_length=1)
+
+
 class NamedToolChoice(BaseModel):
     type: Literal["function"]
-    function: dict
+    function: NamedFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = Field("response", min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``text``, ``json_object`` (any JSON object) or ``json_schema`` (one that
+    follows ``json_schema.schema``): honoured by the vLLM engine's structured outputs."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with, and only with, type 'json_schema'")
+        return self
 
 
 class StreamOptions(BaseModel):
@@ -167,10 +193,14 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict | None = None
+    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="vLLM's extension: more variables for the chat template (enable_thinking, ...)."
     )
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -225,19 +255,16 @@ _NEUTRAL = {
 def unsupported_fields(request: _Request) -> list[tuple[str, str]]:
     """``(field, message)`` for every field of ``request`` we would otherwise ignore."""
     problems = [(name, f"unsupported field '{name}'") for name in (request.model_extra or {})]
+    forced = isinstance(request, ChatCompletionRequest) and request.forces_tool_call
     for name, neutral in _NEUTRAL.items():
+        if name == "parallel_tool_calls" and forced:
+            continue  # honoured: one call when false
         if name in type(request).model_fields:
             value = getattr(request, name)
             allowed = neutral if isinstance(neutral, tuple) else (neutral,)
             if value not in allowed:
                 problems.append((name, f"'{name}' is not supported (only {allowed[0]!r})"))
     if isinstance(request, ChatCompletionRequest):
-        if request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice):
-            problems.append(
-                ("tool_choice", "'tool_choice' may be 'auto' or 'none'; forcing a tool call is not supported")
-            )
-        if request.response_format not in (None, {"type": "text"}):
-            problems.append(("response_format", "'response_format' is not supported (only {'type': 'text'})"))
         if request.top_logprobs and not request.logprobs:
             problems.append(("top_logprobs", "'top_logprobs' needs 'logprobs': true"))
     return problems

@@ -252,6 +252,21 @@ class HermesStream:
         return [out]
 
 
+# Constrained JSON may hold at most this many whitespace characters in a row: a
+# small model cannot loop on whitespace until max_tokens, and pretty-printed
+# JSON (a newline and an indent) still fits.
+MAX_JSON_WHITESPACE = 8
+
+
+def json_format(schema: dict) -> dict:
+    """JSON following ``schema``, as an xgrammar structural-tag format."""
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
+
+
+def structural_tag(form: dict) -> str:
+    return json.dumps({"type": "structural_tag", "format": form})
+
+
 class HermesToolParser:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes, Qwen)."""
 
@@ -265,6 +280,25 @@ class HermesToolParser:
 
     def stream(self) -> HermesStream:
         return HermesStream()
+
+    @staticmethod
+    def forced(tools: list[dict], name: str | None, one: bool) -> str:
+        """A structural tag for vLLM's structured outputs that makes the whole output
+        calls in this format: of ``name`` only when given, else of any of ``tools``;
+        one call when ``one``, else one or more (separated by a newline). Each
+        call's arguments follow its tool's JSON schema."""
+        tags = [
+            {
+                "type": "tag",
+                "begin": OPEN + '{"name": ' + json.dumps(tool["function"]["name"]) + ', "arguments": ',
+                "content": json_format(tool["function"].get("parameters") or {"type": "object"}),
+                "end": "}" + CLOSE,
+            }
+            for tool in tools
+            if name is None or tool["function"]["name"] == name
+        ]
+        calls = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True}
+        return structural_tag(calls | {"stop_after_first": one})
 
 
 PARSERS: dict[str, type] = {"hermes": HermesToolParser}

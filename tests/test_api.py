@@ -46,9 +46,6 @@ def test_a_normal_request_has_no_problems():
         ({"presence_penalty": -1.0}, "presence_penalty"),
         ({"logit_bias": {"42": 10}}, "logit_bias"),
         ({"parallel_tool_calls": False}, "parallel_tool_calls"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"top_logprobs": 5}, "top_logprobs"),
         ({"functions": [{"name": "f"}]}, "functions"),  # an unknown field
     ],
@@ -56,6 +53,19 @@ def test_a_normal_request_has_no_problems():
 def test_unsupported_chat_fields_are_named(fields, name):
     problems = unsupported_fields(chat(**fields))
     assert len(problems) == 1 and problems[0][0] == name and f"'{name}'" in problems[0][1], problems
+
+
+def test_forced_tool_calls_and_json_output_are_accepted_and_checked():
+    named = {"type": "function", "function": {"name": "f"}}
+    assert unsupported_fields(chat(tool_choice=named, parallel_tool_calls=False)) == []  # one call: honoured
+    assert unsupported_fields(chat(tool_choice="required", response_format={"type": "json_object"})) == []
+    schema = {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "object"}}}
+    assert chat(response_format=schema).response_format.json_schema.json_schema == {"type": "object"}
+    for wrong in ({"type": "json_schema"}, {"type": "text", "json_schema": schema["json_schema"]}, {"type": "xml"}):
+        with pytest.raises(ValidationError):
+            chat(response_format=wrong)
+    with pytest.raises(ValidationError):
+        chat(tool_choice={"type": "function", "function": {}})
 
 
 def test_unsupported_completion_fields_are_named():

@@ -11,8 +11,9 @@ import time
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
 
-from rlgate.models import CALCULATOR_TOOL, TOOL_PROBLEMS
+from rlgate.models import CALCULATOR_TOOL, TOOL_PROBLEMS, prepare_model
 from tests.conftest import gateway_fixture
 
 SETTINGS = {
@@ -218,6 +219,61 @@ def test_a_responses_api_agent_plays_a_tool_episode_recorded_as_one_exact_sequen
     assert record["interaction_ids"] == [first.id, second.id]
     assert sum(record["loss_mask"]) == first.usage.output_tokens + second.usage.output_tokens
     assert len(record["input_ids"]) == second.usage.input_tokens + second.usage.output_tokens
+
+
+def test_forced_tool_calls_and_json_output_are_constrained_and_recorded(gw):
+    """A named tool_choice makes the engine write that call in the model's own
+    Hermes format, arguments following the schema, even for a question the model
+    would not call it for; a json_schema response_format gives JSON of the schema."""
+    lookup = {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Find a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    session = gw.start_session("forced")
+    api = client(gw, session["api_key"])
+    forced = api.chat.completions.create(
+        model="tiny-tools",
+        messages=ask("Hello"),
+        tools=[CALCULATOR_TOOL, lookup],
+        tool_choice={"type": "function", "function": {"name": "lookup"}},
+        temperature=0,
+        max_tokens=160,
+    )
+    [call] = forced.choices[0].message.tool_calls
+    assert forced.choices[0].finish_reason == "tool_calls" and call.function.name == "lookup"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    verdict = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    answered = api.chat.completions.create(
+        model="tiny-tools",
+        messages=ask("Is 6 * 7 = 42?"),
+        response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": verdict}},
+        temperature=0,
+        max_tokens=160,
+    )
+    assert isinstance(json.loads(answered.choices[0].message.content)["ok"], bool)
+    headers = session_headers(session["api_key"])
+    assert httpx.post(f"{gw.url}/rl/end_session", headers=headers).json()["interaction_count"] == 2
+    tokenizer = AutoTokenizer.from_pretrained(prepare_model("tiny-tools"))
+    written = [
+        tokenizer.decode(r["input_ids"][-forced.usage.completion_tokens :])
+        for r in gw.trajectories()
+        if r["session_id"] == session["session_id"] and r["interaction_ids"] == [forced.id]
+    ]
+    assert written[0].startswith('<tool_call>{"name": "lookup", "arguments": ')  # the model's own format
 
 
 def test_areal_flow_at_the_root_base_url_with_refresh(gw):

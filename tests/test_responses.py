@@ -62,7 +62,7 @@ def test_an_echoed_output_continues_the_conversation_it_answered():
     ("fields", "param", "says"),
     [
         ({"reasoning": {"effort": "high"}}, "reasoning", "'reasoning' is not supported"),
-        ({"text": {"format": {"type": "json_object"}}}, "text", "plain text"),
+        ({"text": {"format": {"type": "xml"}}}, "response_format.type", "Input should be"),
         ({"truncation": "auto"}, "truncation", "'auto' is not supported"),
         ({"conversation": "conv_1"}, "conversation", "unsupported field 'conversation'"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input", "items of type 'reasoning' are not supported"),

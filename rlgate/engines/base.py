@@ -55,6 +55,12 @@ class SamplingParams(BaseModel):
     n: int = Field(1, ge=1, le=128, description="Completions per prompt.")
     top_logprobs: int = Field(0, ge=0, le=20, description="Alternatives reported per token.")
     ignore_eos: bool = Field(False, description="Keep going past the end-of-sequence token.")
+    structured: tuple[str, str] | None = Field(
+        None,
+        description="A constraint on the output, as vLLM's structured outputs take it: (kind, text), e.g. "
+        "('structural_tag', its JSON), ('json', a JSON schema's JSON), ('regex', a pattern). The behaviour "
+        "logprobs are those of the constrained distribution the tokens were sampled from.",
+    )
 
     @field_validator("temperature")
     @classmethod
@@ -228,6 +234,7 @@ class Engine(abc.ABC):
     """
 
     name: str = "engine"
+    structured_outputs: bool = False  # can constrain output (SamplingParams.structured)
 
     def __init__(self, model_path: str | Path, max_model_len: int, initial_version: int = 0) -> None:
         self.model_path = str(model_path)
@@ -258,6 +265,11 @@ class Engine(abc.ABC):
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise EngineInputError(f"token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        if params.structured is not None and not self.structured_outputs:
+            raise EngineInputError(
+                "constrained output (response_format, or a forced tool_choice) needs the vLLM engine "
+                '([rollout] engine = "vllm"); this engine samples freely'
+            )
         room = self.max_model_len - len(prompt_ids)
         return params if params.max_tokens <= room else params.model_copy(update={"max_tokens": room})
 

@@ -76,6 +76,7 @@ class VLLMEngine(Engine):
     """Token-in, token-out generation on ``vllm.v1.engine.async_llm.AsyncLLM``."""
 
     name = "vllm"
+    structured_outputs = True
 
     def __init__(
         self,
@@ -160,7 +161,12 @@ class VLLMEngine(Engine):
 
     def _vllm_params(self, params: SamplingParams, whole: bool = False):
         from vllm import SamplingParams as VllmSamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+        structured = None
+        if params.structured is not None:
+            kind, spec = params.structured
+            structured = StructuredOutputsParams(**{kind: spec})
 
         return VllmSamplingParams(
             n=params.n,
@@ -178,6 +184,7 @@ class VLLMEngine(Engine):
             # The gateway decodes text itself: vLLM's detokenizer (and its decoding of every
             # logprob's token) is needed only to match stop strings.
             detokenize=bool(params.stop),
+            structured_outputs=structured,
         )
 
     async def generate(

@@ -14,8 +14,8 @@ Translation:
 * assistant ``text`` + ``tool_use`` blocks -> an assistant message with
   ``tool_calls`` (``input`` as the call's JSON arguments);
 * ``tools`` -> function tools (``input_schema`` as ``parameters``);
-  ``tool_choice`` ``auto`` / ``none`` as OpenAI's (``any`` and a named tool
-  force a call, which is refused as it is on chat completions);
+  ``tool_choice`` as OpenAI's (``any``: ``required``, ``tool``: that function,
+  ``disable_parallel_tool_use``: one call);
 * ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``, ``max_tokens``
   as sampling parameters.
 

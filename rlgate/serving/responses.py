@@ -14,7 +14,8 @@ Translation:
   tool calls of the assistant message before them (or of a new one);
   ``function_call_output`` items -> tool messages;
 * function ``tools`` and ``tool_choice`` as on chat completions;
-  ``max_output_tokens``, ``temperature``, ``top_p`` as sampling parameters.
+  ``text.format`` as ``response_format``; ``max_output_tokens``,
+  ``temperature``, ``top_p`` as sampling parameters.
 
 ``previous_response_id`` continues the conversation of an earlier response of
 the same session key: the replica that served it keeps its messages in memory
@@ -133,14 +134,21 @@ def _refuse_unhonoured(request: ResponsesRequest) -> None:
         raise HTTPError(400, f"unsupported field '{unknown[0]}'", param=unknown[0])
     if request.reasoning not in (None, {}) and request.reasoning.get("effort") is not None:
         raise HTTPError(400, "'reasoning' is not supported here; omit it", param="reasoning")
-    if request.text not in (None, {}, {"format": {"type": "text"}}):
-        raise HTTPError(400, "'text' may only ask for plain text ({'format': {'type': 'text'}})", param="text")
     if request.truncation == "auto":
         raise HTTPError(400, "'truncation': 'auto' is not supported (nothing is dropped to fit)", param="truncation")
     if request.include:
         raise HTTPError(400, f"'include' is not supported ({request.include[0]!r})", param="include")
     if request.top_logprobs:
         raise HTTPError(400, "'top_logprobs' is not supported on /v1/responses", param="top_logprobs")
+
+
+def _response_format(text: dict | None) -> dict | None:
+    """Chat's ``response_format`` for Responses' ``text.format`` (``json_schema``'s
+    name, schema and strict sit in the format itself there)."""
+    form = (text or {}).get("format")
+    if not isinstance(form, dict) or form.get("type") != "json_schema":
+        return form
+    return {"type": "json_schema", "json_schema": {k: v for k, v in form.items() if k != "type"}}
 
 
 def _tool_choice(choice):
@@ -201,6 +209,7 @@ class ResponsesCall:
             "stream_options": {"include_usage": True} if request.stream else None,
             "tool_choice": _tool_choice(request.tool_choice),
             "parallel_tool_calls": request.parallel_tool_calls,
+            "response_format": _response_format(request.text),
         }
         if request.tools:
             fields["tools"] = [api.function_tool(t.name, t.description, t.parameters) for t in request.tools]

@@ -32,7 +32,7 @@ from rlgate.serving.errors import HTTPError, error_response
 from rlgate.serving.responses import ResponseLog
 from rlgate.serving.turns import Turn, TurnStream, chain, choice_id
 from rlgate.sessions import hash_key, new_session_key
-from rlgate.toolcalls import detect_parser, get_parser
+from rlgate.toolcalls import detect_parser, get_parser, json_format, structural_tag
 from rlgate.trajectory import Interaction
 
 if TYPE_CHECKING:  # the Ray-backed clients; tests may hand in any object with their methods
@@ -209,6 +209,35 @@ class GatewayService:
         except StopAsyncIteration:
             return chain([], chunks)
 
+    def _constraint(self, request: api.ChatCompletionRequest, tools: list[dict] | None) -> tuple[str, str] | None:
+        """What the output is held to, as the engine's ``SamplingParams.structured``:
+        calls in the model's own tool-call format for a forced ``tool_choice``, JSON
+        for ``response_format``; None for free text."""
+        form = request.response_format
+        if request.forces_tool_call:
+            choice = request.tool_choice
+            name = None if choice == "required" else choice.function.name
+            if not tools:
+                raise HTTPError(400, "a forced 'tool_choice' needs 'tools'", param="tool_choice")
+            if name is not None and name not in [t["function"]["name"] for t in tools]:
+                raise HTTPError(400, f"'tool_choice' names {name!r}, which is not in 'tools'", param="tool_choice")
+            if form is not None and form.type != "text":
+                raise HTTPError(
+                    400, "'response_format' cannot be combined with a forced 'tool_choice'", param="response_format"
+                )
+            if self.tool_parser is None:
+                raise HTTPError(
+                    400,
+                    "forcing a tool call needs the model's tool-call format ([gateway] tool_parser)",
+                    param="tool_choice",
+                )
+            one = name is not None or request.parallel_tool_calls is False
+            return "structural_tag", self.tool_parser.forced(tools, name, one)
+        if form is None or form.type == "text":
+            return None
+        schema = form.json_schema.json_schema if form.type == "json_schema" else {"type": "object"}
+        return "structural_tag", structural_tag(json_format(schema))
+
     def _prompt(self, request: api.ChatCompletionRequest, messages, tools, keys, parent):
         """(prompt ids, the interaction they continue or None): the earlier ids
         verbatim when the request continues ``parent`` (its thinking is in them:
@@ -252,6 +281,9 @@ class GatewayService:
         turn, streaming = None, False
         try:  # from here the request is in flight in its session until recorded or abandoned
             self._check_request(request)  # after the key is known good: its errors name the served models
+            structured = self._constraint(request, tools)
+            if structured is not None:
+                params = params.model_copy(update={"structured": structured})
             prompt_ids, parent_id = self._prompt(request, messages, tools, keys, parent)
             self._check_prompt(prompt_ids)
             use_tools = self.tool_parser is not None and tools is not None and request.tool_choice != "none"
