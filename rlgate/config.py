@@ -115,8 +115,11 @@ class GatewayConfig(_Section):
     export_style: Literal["individual", "concat"] = Field(
         "individual", description="individual: a sample per completion; concat: a sample per conversation branch."
     )
-    tool_parser: Literal["auto", "hermes", "none"] = Field(
-        "auto", description="Tool-call format; auto detects it from the chat template."
+    tool_parser: str = Field(
+        "auto",
+        min_length=1,
+        description="Tool-call format: auto (from the chat template), hermes (rlgate's), none, or any parser "
+        "of vLLM's registry (llama3_json, mistral, pythonic, qwen3_coder, ...; vllm:hermes for vLLM's Hermes).",
     )
     reasoning_parser: str | None = Field(
         None,

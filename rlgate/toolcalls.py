@@ -55,15 +55,15 @@ def new_call_id() -> str:
 
 
 class ToolCallStream(Protocol):
-    def feed(self, delta: str) -> list[str]: ...
+    def feed(self, delta: str, delta_ids=()) -> list[str]: ...
 
     def finish(self) -> ParsedOutput: ...
 
 
 class ToolCallParser(Protocol):
-    def parse(self, text: str) -> ParsedOutput: ...
+    def parse(self, text: str, tools: list[dict] | None = None) -> ParsedOutput: ...
 
-    def stream(self) -> ToolCallStream: ...
+    def stream(self, tools: list[dict] | None = None) -> ToolCallStream: ...
 
 
 def _call_from_json(inner: str) -> ToolCall | None:
@@ -215,7 +215,7 @@ class HermesStream:
     def tool_calls(self) -> list[ToolCall]:
         return [piece for piece in self._pieces if isinstance(piece, ToolCall)]
 
-    def feed(self, delta: str) -> list[str]:
+    def feed(self, delta: str, delta_ids=()) -> list[str]:
         if self._result is not None:
             raise RuntimeError("feed() after finish()")
         self._scanner.text += delta
@@ -270,15 +270,15 @@ def structural_tag(form: dict) -> str:
 class HermesToolParser:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes, Qwen)."""
 
-    def parse(self, text: str) -> ParsedOutput:
-        """Content and calls of a whole output.
+    def parse(self, text: str, tools: list[dict] | None = None) -> ParsedOutput:
+        """Content and calls of a whole output (``tools`` is not needed to read them).
 
         With no calls, content is ``text`` unchanged; with calls, it is the
         text outside them, stripped, or None if that is empty.
         """
         return _assemble(_Scanner(text).advance(final=True))
 
-    def stream(self) -> HermesStream:
+    def stream(self, tools: list[dict] | None = None) -> HermesStream:
         return HermesStream()
 
     @staticmethod
@@ -301,17 +301,112 @@ class HermesToolParser:
         return structural_tag(calls | {"stop_after_first": one})
 
 
-PARSERS: dict[str, type] = {"hermes": HermesToolParser}
+class VllmToolParser:
+    """A tool parser of vLLM's registry (``llama3_json``, ``mistral``, ``pythonic``,
+    ``qwen3_coder``, ...), behind the same interface as :class:`HermesToolParser`.
+
+    vLLM's parsers take a vLLM request (made once, from the tools of each
+    request) and keep streaming state, so one is made per answer. Streamed,
+    the content vLLM's parser releases is sent as it comes and the calls are
+    those of the whole text, sent once complete (as for Hermes)."""
+
+    forced = None  # constraining calls to a vLLM parser's format is not offered
+
+    def __init__(self, name: str, tokenizer) -> None:
+        try:
+            from vllm.tool_parsers import ToolParserManager
+        except ImportError as err:
+            raise ValueError(f"[gateway] tool_parser = {name!r} needs vLLM installed ({err})") from None
+        self.name, self.tokenizer = name, tokenizer
+        known = sorted(ToolParserManager.list_registered())
+        if name not in known:
+            raise ValueError(f"[gateway] tool_parser: unknown parser {name!r}; hermes, none, auto, or vLLM's {known}")
+        self.parser_class = ToolParserManager.get_tool_parser(name)
+        try:
+            parser = self.parser_class(tokenizer)
+        except Exception as err:  # e.g. the model's tokenizer lacks the parser's markers
+            raise ValueError(f"[gateway] tool_parser {name!r} cannot read this model's output: {err}") from None
+        markers = {v for k, v in vars(parser).items() if k.endswith("token") and isinstance(v, str) and v}
+        special = sorted(markers & set(tokenizer.all_special_tokens))
+        if special:  # the gateway decodes without special tokens: these would never reach the parser
+            raise ValueError(
+                f"[gateway] tool_parser {name!r} reads {special}, special tokens of this model, and the gateway "
+                "decodes text without special tokens; use a parser whose markers are text"
+            )
+
+    def _request(self, tools: list[dict] | None):
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        body = {"model": "m", "messages": [{"role": "user", "content": ""}], "tools": tools or None}
+        return ChatCompletionRequest.model_validate(body)
+
+    def parse(self, text: str, tools: list[dict] | None = None) -> ParsedOutput:
+        request = self._request(tools)
+        parser = self.parser_class(self.tokenizer)
+        found = parser.extract_tool_calls(text, parser.adjust_request(request))
+        if not found.tools_called:
+            return ParsedOutput(content=text, tool_calls=[])
+        calls = [
+            ToolCall(id=new_call_id(), name=call.function.name, arguments=call.function.arguments or "{}")
+            for call in found.tool_calls
+        ]
+        return ParsedOutput(content=(found.content or "").strip() or None, tool_calls=calls)
+
+    def stream(self, tools: list[dict] | None = None) -> VllmToolStream:
+        return VllmToolStream(self, tools)
 
 
-def get_parser(name: str) -> ToolCallParser:
-    if name not in PARSERS:
-        raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(sorted(PARSERS))}")
-    return PARSERS[name]()
+class VllmToolStream:
+    def __init__(self, owner: VllmToolParser, tools: list[dict] | None) -> None:
+        self.owner, self.tools = owner, tools
+        self.request = owner._request(tools)
+        self.parser = owner.parser_class(owner.tokenizer)
+        self.request = self.parser.adjust_request(self.request)
+        self.text, self.ids, self.sent = "", [], ""
+
+    def feed(self, delta: str, delta_ids: list[int] = ()) -> list[str]:
+        previous_text, previous_ids = self.text, self.ids
+        self.text, self.ids = previous_text + delta, previous_ids + list(delta_ids)
+        if not delta:
+            return []
+        message = self.parser.extract_tool_calls_streaming(
+            previous_text, self.text, delta, previous_ids, self.ids, list(delta_ids), self.request
+        )
+        content = (message.content if message is not None else None) or ""
+        if not content or not self.text.startswith(self.sent + content):
+            return []  # only text that is the answer's own, in order, is sent
+        self.sent += content
+        return [content]
+
+    def finish(self) -> ParsedOutput:
+        """The calls of the whole text; the content is exactly what was streamed (the
+        client has it, and sends it back), or the whole text when it held no call."""
+        whole = self.owner.parse(self.text, self.tools)
+        if not whole.tool_calls:
+            return whole
+        return ParsedOutput(content=self.sent if self.sent.strip() else None, tool_calls=whole.tool_calls)
+
+
+def get_parser(name: str, tokenizer=None) -> ToolCallParser:
+    """rlgate's ``hermes`` (it keeps text after a call, which vLLM's drops), else
+    the parser of vLLM's registry by that name (``vllm:hermes`` for vLLM's own)."""
+    if name == "hermes":
+        return HermesToolParser()
+    return VllmToolParser(name.removeprefix("vllm:"), tokenizer)
+
+
+# Markers of tool-call formats in chat templates, and vLLM's parser for each.
+_TEMPLATE_MARKERS = [
+    ("<function=", "qwen3_coder"),  # Qwen3-Coder: XML calls inside <tool_call>
+    (OPEN, "hermes"),
+    ("[TOOL_CALLS]", "mistral"),
+    ("<|python_tag|>", "llama3_json"),
+]
 
 
 def detect_parser(chat_template: str | None) -> str | None:
-    """The parser for a model's chat template, or None if it has no tool call format."""
-    if chat_template and OPEN in chat_template:
-        return "hermes"
+    """The parser for a model's chat template, or None if it has no tool call format it knows."""
+    for marker, name in _TEMPLATE_MARKERS:
+        if chat_template and marker in chat_template:
+            return name
     return None

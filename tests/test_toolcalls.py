@@ -14,7 +14,6 @@ from rlgate.models import CHATML_TOOLS_TEMPLATE
 from rlgate.toolcalls import (
     CLOSE,
     OPEN,
-    PARSERS,
     HermesToolParser,
     ParsedOutput,
     detect_parser,
@@ -133,13 +132,63 @@ def test_round_trip_through_the_tiny_random_template():
 
 
 def test_registry_and_detection():
-    assert PARSERS == {"hermes": HermesToolParser}
     assert isinstance(get_parser("hermes"), HermesToolParser)
-    with pytest.raises(ValueError, match="known: hermes"):
-        get_parser("mistral")
     assert detect_parser(CHATML_TOOLS_TEMPLATE) == "hermes"
+    assert detect_parser("{{ '<tool_call>\n<function=' + name }}") == "qwen3_coder"
+    assert detect_parser("{{ '[TOOL_CALLS]' }}") == "mistral" and detect_parser("<|python_tag|>") == "llama3_json"
     assert detect_parser("{{ messages }}") is None
     assert detect_parser(None) is None
+
+
+@pytest.fixture(scope="module")
+def tools_tokenizer():
+    from transformers import AutoTokenizer
+
+    from rlgate.models import prepare_model
+
+    return AutoTokenizer.from_pretrained(prepare_model("tiny-random"))
+
+
+CALC = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}
+VLLM_OUTPUTS = {  # what models of each family write, and the call in it
+    "pythonic": '[calc(expression="6 * 7")]',
+    "qwen3_coder": "<tool_call>\n<function=calc>\n<parameter=expression>\n6 * 7\n</parameter>\n</function>\n</tool_call>",
+    "vllm:hermes": '<tool_call>{"name": "calc", "arguments": {"expression": "6 * 7"}}</tool_call>',
+}
+
+
+@pytest.mark.parametrize("name", sorted(VLLM_OUTPUTS))
+def test_vllms_parsers_read_their_family_whole_and_streamed(name, tools_tokenizer):
+    parser = get_parser(name, tools_tokenizer)
+    text = "Let me compute. " + VLLM_OUTPUTS[name] if name != "pythonic" else VLLM_OUTPUTS[name]
+    whole = parser.parse(text, [CALC])
+    assert calls_of(whole) == [("calc", {"expression": "6 * 7"})]
+    stream = parser.stream([CALC])
+    ids = tools_tokenizer.encode(text, add_special_tokens=False)
+    sent = []
+    for token in ids:  # token by token, as an engine streams them
+        sent += stream.feed(tools_tokenizer.decode([token]), [token])
+    streamed = stream.finish()
+    assert calls_of(streamed) == calls_of(whole)
+    assert "".join(sent) == (streamed.content or "") and "calc" not in "".join(sent)  # no markup leaked
+    plain = parser.parse("No call here.", [CALC])
+    assert (plain.content, plain.tool_calls) == ("No call here.", [])
+
+
+def test_rlgates_hermes_keeps_what_vllms_drops(tools_tokenizer):
+    """Measured on the same output: text after a call stays in rlgate's content;
+    vLLM's Hermes parser drops it. So `hermes` is rlgate's own."""
+    text = 'Checking.\n<tool_call>{"name": "calc", "arguments": {"x": 1}}</tool_call>\nThen I will answer.'
+    ours, theirs = get_parser("hermes").parse(text), get_parser("vllm:hermes", tools_tokenizer).parse(text, [CALC])
+    assert calls_of(ours) == calls_of(theirs) == [("calc", {"x": 1})]
+    assert ours.content == "Checking.\n\nThen I will answer." and theirs.content == "Checking."
+
+
+def test_a_vllm_parser_that_cannot_read_the_model_is_refused_at_start(tools_tokenizer):
+    with pytest.raises(ValueError, match="cannot read this model's output"):
+        get_parser("llama3_json", tools_tokenizer)  # tiny-random has no <|python_tag|> token
+    with pytest.raises(ValueError, match="unknown parser 'no-such-parser'.*pythonic"):
+        get_parser("no-such-parser", tools_tokenizer)
 
 
 def test_stream_emits_content_as_it_becomes_final():

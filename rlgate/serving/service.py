@@ -60,7 +60,7 @@ class GatewayService:
         parser = gateway.tool_parser
         if parser == "auto":
             parser = detect_parser(tokenizer.chat_template)
-        self.tool_parser = get_parser(parser) if parser not in (None, "none") else None
+        self.tool_parser = get_parser(parser, tokenizer) if parser not in (None, "none") else None
         self.reasoning = ReasoningParser(gateway.reasoning_parser, tokenizer) if gateway.reasoning_parser else None
         self.model_names = [settings.served_model_name, *gateway.model_aliases, "default"]
         self.responses = ResponseLog(gateway.responses_kept)  # for /v1/responses' previous_response_id
@@ -225,10 +225,10 @@ class GatewayService:
                 raise HTTPError(
                     400, "'response_format' cannot be combined with a forced 'tool_choice'", param="response_format"
                 )
-            if self.tool_parser is None:
+            if self.tool_parser is None or self.tool_parser.forced is None:
                 raise HTTPError(
                     400,
-                    "forcing a tool call needs the model's tool-call format ([gateway] tool_parser)",
+                    "forcing a tool call needs a tool-call format rlgate can constrain ([gateway] tool_parser hermes)",
                     param="tool_choice",
                 )
             one = name is not None or request.parallel_tool_calls is False

@@ -87,6 +87,7 @@ class Turn:
         self.session_id, self.prompt_ids, self.parent_id = session_id, prompt_ids, parent_id
         self.messages_key, self.use_tools = messages_key, use_tools
         self.id = id_prefix + secrets.token_hex(12)
+        self.tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         self.created = int(time.time())
         self.recorded = False
         self.settled = False  # recorded, or given back to the session (``settle``)
@@ -107,7 +108,7 @@ class Turn:
             reasoning, text = split.reasoning, split.content
         if not self.use_tools:
             return reasoning, text, []
-        parsed = self.g.tool_parser.parse(text)
+        parsed = self.g.tool_parser.parse(text, self.tools)
         return reasoning, parsed.content, parsed.tool_calls
 
     def _interaction(self, completion, content, calls) -> Interaction:
@@ -206,7 +207,7 @@ class Turn:
         refusal after the first chunk (engine or session down) is raised."""
         n = params.n
         texts = [TextStream(self.g.tokenizer, list(params.stop)) for _ in range(n)]
-        calls_stream = [self.g.tool_parser.stream() if self.use_tools else None for _ in range(n)]
+        calls_stream = [self.g.tool_parser.stream(self.tools) if self.use_tools else None for _ in range(n)]
         reasoning = self.g.reasoning
         thinking = [reasoning.stream(self.request.chat_template_kwargs) if reasoning else None for _ in range(n)]
         done = [Completion(index=i) for i in range(n)]
@@ -226,7 +227,7 @@ class Turn:
                     if chunk.finish_reason is not None:
                         held_thought, held_text = thinking[i].finish()
                         thought, text = thought + held_thought, text + held_text
-                pieces = calls_stream[i].feed(text) if calls_stream[i] else [text]
+                pieces = calls_stream[i].feed(text, chunk.token_ids) if calls_stream[i] else [text]
                 logprobs = None
                 if self.request.logprobs:
                     logprobs = ChunkLogprobs(

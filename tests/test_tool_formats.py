@@ -1,0 +1,97 @@
+"""A tool parser of vLLM's registry on the serving path: tiny-tools (trained to
+call a calculator in the Hermes format) behind the serving path without Ray
+Serve with `[gateway] tool_parser = "vllm:hermes"`, the real HF engine, the
+official openai client: calls whole and streamed, and the episode one sequence."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from rlgate.config import parse_config
+from rlgate.models import CALCULATOR_TOOL, prepare_model
+from rlgate.serving.auth import Auth
+from rlgate.serving.clients import JobsClient, LocalEngine
+from rlgate.serving.owned import LocalSessions
+from rlgate.serving.routes import build_app
+from rlgate.serving.service import GatewayService
+from rlgate.sessions import SessionManager, hash_key
+from rlgate.toolcalls import VllmToolParser
+from tests.test_serving import ADMIN, NoStores, Slots
+
+ASK = [{"role": "user", "content": "What is 6 * 7?"}]
+
+
+@pytest.fixture(scope="module")
+async def tools_engine():
+    from rlgate.engines.hf import HFEngine
+
+    engine = HFEngine(prepare_model("tiny-tools"), max_model_len=1024)
+    await engine.ready()
+    yield engine
+    await engine.shutdown()
+
+
+@pytest.fixture
+async def gateway(tools_engine, tmp_path):
+    from transformers import AutoTokenizer
+
+    saved: list[dict] = []
+
+    async def persist(records: list[dict]) -> None:
+        saved.extend(records)
+
+    tokenizer = AutoTokenizer.from_pretrained(prepare_model("tiny-tools"))
+    gateway = {"run_dir": str(tmp_path), "tool_parser": "vllm:hermes", "export_style": "concat"}
+    settings = parse_config({"model": {"name": "tiny-tools"}, "gateway": gateway})
+    manager = SessionManager(Slots(4), persist, export_style="concat")
+    service = GatewayService(
+        settings,
+        tokenizer,
+        Auth(hash_key(ADMIN)),
+        LocalSessions(manager),
+        LocalEngine(tools_engine),
+        NoStores(),
+        JobsClient(lambda: None),
+    )
+    assert isinstance(service.tool_parser, VllmToolParser)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(service)), base_url="http://gw") as http:
+        started = await http.post(
+            "/rl/start_session", json={"task_id": "t"}, headers={"Authorization": f"Bearer {ADMIN}"}
+        )
+        key = started.json()["api_key"]
+        yield openai.AsyncOpenAI(base_url="http://gw/v1", api_key=key, http_client=http), http, key, saved
+
+
+async def test_vllms_hermes_parser_serves_a_tool_episode(gateway):
+    agent, http, key, saved = gateway
+    chat = agent.chat.completions
+    first = await chat.create(model="tiny-tools", messages=ASK, tools=[CALCULATOR_TOOL], temperature=0, max_tokens=64)
+    [call] = first.choices[0].message.tool_calls
+    assert first.choices[0].finish_reason == "tool_calls" and json.loads(call.function.arguments) == {
+        "expression": "6 * 7"
+    }
+    stream = await chat.create(
+        model="tiny-tools", messages=ASK, tools=[CALCULATOR_TOOL], temperature=0, max_tokens=64, stream=True
+    )
+    chunks = [c async for c in stream if c.choices]
+    streamed = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in streamed] == [
+        ("calculator", {"expression": "6 * 7"})
+    ]
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks).strip()  # no markup leaked as text
+    history = ASK + [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "42"},
+    ]
+    second = await chat.create(
+        model="tiny-tools", messages=history, tools=[CALCULATOR_TOOL], temperature=0, max_tokens=64
+    )
+    assert second.choices[0].message.content == "The answer is 42."
+    await http.post("/rl/end_session", headers={"Authorization": f"Bearer {key}"})
+    [episode] = [r for r in saved if r["interaction_ids"][-1] == second.id]
+    # the answer continued a call turn (the streamed one, the latest of the two alike): one sequence
+    assert episode["interaction_ids"] == [chunks[0].id, second.id]
