@@ -152,7 +152,8 @@ def tools_tokenizer():
 CALC = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}
 VLLM_OUTPUTS = {  # what models of each family write, and the call in it
     "pythonic": '[calc(expression="6 * 7")]',
-    "qwen3_coder": "<tool_call>\n<function=calc>\n<parameter=expression>\n6 * 7\n</parameter>\n</function>\n</tool_call>",
+    "qwen3_coder": "<tool_call>\n<function=calc>\n<parameter=expression>\n6 * 7\n</parameter>\n"
+    "</function>\n</tool_call>",
     "vllm:hermes": '<tool_call>{"name": "calc", "arguments": {"expression": "6 * 7"}}</tool_call>',
 }
 
