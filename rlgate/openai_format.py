@@ -13,9 +13,17 @@ from openai.types.chat import ChatCompletionTokenLogprob
 from openai.types.chat.chat_completion_token_logprob import TopLogprob
 
 
-def visible_text(tokenizer, token_ids: list[int], stop_reason: str | int | None) -> str:
-    """The text a client sees: special tokens dropped, cut before a stop string."""
-    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+def visible_text(
+    tokenizer, token_ids: list[int], stop_reason: str | int | None, keep: frozenset[int] = frozenset()
+) -> str:
+    """The text a client sees: special tokens dropped (but those in ``keep``: a
+    tool-call or reasoning marker the model's tokenizer marks special, which the
+    parsers must see), cut before a stop string."""
+    if keep:
+        dropped = set(tokenizer.all_special_ids) - keep
+        text = tokenizer.decode([t for t in token_ids if t not in dropped], skip_special_tokens=False)
+    else:
+        text = tokenizer.decode(token_ids, skip_special_tokens=True)
     if isinstance(stop_reason, str) and stop_reason in text:
         text = text[: text.index(stop_reason)]
     return text
@@ -36,23 +44,27 @@ class TextStream:
     streamed completion quadratic on the gateway's event loop.
     """
 
-    def __init__(self, tokenizer, stops: list[str]) -> None:
+    def __init__(self, tokenizer, stops: list[str], keep: frozenset[int] = frozenset()) -> None:
+        """``keep``: special token ids whose text is kept (see :func:`visible_text`)."""
         from tokenizers.decoders import DecodeStream
 
-        self.tokenizer = tokenizer
+        self.tokenizer, self.keep = tokenizer, keep
+        self.dropped = set(tokenizer.all_special_ids) - keep if keep else set()
         self.ids: list[int] = []
         self.text = ""  # decoded so far (complete characters only)
         self.sent = 0
         self.stops = [s for s in stops if s]
         self.hold = max((len(s) for s in stops), default=1) - 1
-        self._decoder = DecodeStream(skip_special_tokens=True) if tokenizer.is_fast else None
+        self._decoder = DecodeStream(skip_special_tokens=not keep) if tokenizer.is_fast else None
 
     def _decode(self, token_ids: list[int]) -> None:
         if self._decoder is None:  # a slow tokenizer: decode everything again
             # a multi-byte character not yet complete waits for its next token
-            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")
+            self.text = visible_text(self.tokenizer, self.ids, None, self.keep).rstrip("\ufffd")
             return
         for token_id in token_ids:
+            if token_id in self.dropped:
+                continue
             piece = self._decoder.step(self.tokenizer.backend_tokenizer, token_id)
             if piece:  # None while a character is incomplete
                 self.text += piece
@@ -72,7 +84,7 @@ class TextStream:
         return delta
 
     def finish(self, stop_reason: str | int | None) -> str:
-        text = visible_text(self.tokenizer, self.ids, stop_reason)
+        text = visible_text(self.tokenizer, self.ids, stop_reason, self.keep)
         delta = text[self.sent :]
         self.sent = len(text)
         return delta

@@ -39,9 +39,11 @@ class ReasoningParser:
         self.name, self.tokenizer = name, tokenizer
         self.parser_class = ReasoningParserManager.get_reasoning_parser(name)
         try:
-            self._parser(None)
+            parser = self._parser(None)
         except Exception as err:  # e.g. the model's tokenizer lacks the parser's <think> tokens
             raise ValueError(f"[gateway] reasoning_parser {name!r} cannot read this model's output: {err}") from None
+        # kept in the text it reads even where the model's tokenizer marks them special
+        self.markers = {m for m in (parser.reasoning_start_str, parser.reasoning_end_str) if m}
 
     def _parser(self, template_kwargs: dict | None):
         return self.parser_class(self.tokenizer, chat_template_kwargs=dict(template_kwargs or {}))

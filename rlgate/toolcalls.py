@@ -270,6 +270,8 @@ def structural_tag(form: dict) -> str:
 class HermesToolParser:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes, Qwen)."""
 
+    markers = (OPEN, CLOSE)  # kept in the text it reads even where the tokenizer marks them special
+
     def parse(self, text: str, tools: list[dict] | None = None) -> ParsedOutput:
         """Content and calls of a whole output (``tools`` is not needed to read them).
 
@@ -326,13 +328,14 @@ class VllmToolParser:
             parser = self.parser_class(tokenizer)
         except Exception as err:  # e.g. the model's tokenizer lacks the parser's markers
             raise ValueError(f"[gateway] tool_parser {name!r} cannot read this model's output: {err}") from None
-        markers = {v for k, v in vars(parser).items() if k.endswith("token") and isinstance(v, str) and v}
-        special = sorted(markers & set(tokenizer.all_special_tokens))
-        if special:  # the gateway decodes without special tokens: these would never reach the parser
-            raise ValueError(
-                f"[gateway] tool_parser {name!r} reads {special}, special tokens of this model, and the gateway "
-                "decodes text without special tokens; use a parser whose markers are text"
-            )
+        # What the parser looks for (vLLM's parsers name them ``*_token``, on the class or
+        # the instance): kept in the text it reads even where the tokenizer marks them special.
+        self.markers = set()
+        for attribute in dir(parser):
+            if attribute.endswith("_token") and not attribute.startswith("__"):
+                value = getattr(parser, attribute, None)
+                if isinstance(value, str) and value:
+                    self.markers.add(value)
 
     def _request(self, tools: list[dict] | None):
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest

@@ -19,7 +19,6 @@ from rlgate.serving.owned import LocalSessions
 from rlgate.serving.routes import build_app
 from rlgate.serving.service import GatewayService
 from rlgate.sessions import SessionManager, hash_key
-from rlgate.toolcalls import VllmToolParser
 from tests.test_serving import ADMIN, NoStores, Slots
 
 ASK = [{"role": "user", "content": "What is 6 * 7?"}]
@@ -35,8 +34,9 @@ async def tools_engine():
     await engine.shutdown()
 
 
-@pytest.fixture
-async def gateway(tools_engine, tmp_path):
+async def serve(engine, tmp_path, tool_parser: str, special_markers: bool = False):
+    """An agent's client, the HTTP client, its session key and the saved records, on a
+    gateway with ``tool_parser``; ``special_markers``: the tokenizer marks <tool_call> special."""
     from transformers import AutoTokenizer
 
     saved: list[dict] = []
@@ -45,7 +45,10 @@ async def gateway(tools_engine, tmp_path):
         saved.extend(records)
 
     tokenizer = AutoTokenizer.from_pretrained(prepare_model("tiny-tools"))
-    gateway = {"run_dir": str(tmp_path), "tool_parser": "vllm:hermes", "export_style": "concat"}
+    if special_markers:  # as some models' tokenizers do: decoding without special tokens drops the tags
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<tool_call>", "</tool_call>"]})
+        assert "<tool_call>" in tokenizer.all_special_tokens
+    gateway = {"run_dir": str(tmp_path), "tool_parser": tool_parser, "export_style": "concat"}
     settings = parse_config({"model": {"name": "tiny-tools"}, "gateway": gateway})
     manager = SessionManager(Slots(4), persist, export_style="concat")
     service = GatewayService(
@@ -53,17 +56,22 @@ async def gateway(tools_engine, tmp_path):
         tokenizer,
         Auth(hash_key(ADMIN)),
         LocalSessions(manager),
-        LocalEngine(tools_engine),
+        LocalEngine(engine),
         NoStores(),
         JobsClient(lambda: None),
     )
-    assert isinstance(service.tool_parser, VllmToolParser)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(service)), base_url="http://gw") as http:
-        started = await http.post(
-            "/rl/start_session", json={"task_id": "t"}, headers={"Authorization": f"Bearer {ADMIN}"}
-        )
-        key = started.json()["api_key"]
-        yield openai.AsyncOpenAI(base_url="http://gw/v1", api_key=key, http_client=http), http, key, saved
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(service)), base_url="http://gw")
+    started = await http.post("/rl/start_session", json={"task_id": "t"}, headers={"Authorization": f"Bearer {ADMIN}"})
+    key = started.json()["api_key"]
+    return openai.AsyncOpenAI(base_url="http://gw/v1", api_key=key, http_client=http), http, key, saved
+
+
+@pytest.fixture
+async def gateway(tools_engine, tmp_path):
+
+    served = await serve(tools_engine, tmp_path, "vllm:hermes")
+    yield served
+    await served[1].aclose()
 
 
 async def test_vllms_hermes_parser_serves_a_tool_episode(gateway):
@@ -95,3 +103,28 @@ async def test_vllms_hermes_parser_serves_a_tool_episode(gateway):
     [episode] = [r for r in saved if r["interaction_ids"][-1] == second.id]
     # the answer continued a call turn (the streamed one, the latest of the two alike): one sequence
     assert episode["interaction_ids"] == [chunks[0].id, second.id]
+
+
+@pytest.mark.parametrize("tool_parser", ["hermes", "vllm:hermes"])
+async def test_calls_whose_markers_are_special_tokens_are_parsed(tools_engine, tmp_path, tool_parser):
+    """Where the tokenizer marks <tool_call> special, the parser still reads it (the
+    text it parses keeps its markers; other special tokens stay out)."""
+    agent, http, key, _ = await serve(tools_engine, tmp_path, tool_parser, special_markers=True)
+    try:
+        chat = agent.chat.completions
+        whole = await chat.create(
+            model="tiny-tools", messages=ASK, tools=[CALCULATOR_TOOL], temperature=0, max_tokens=64
+        )
+        [call] = whole.choices[0].message.tool_calls
+        assert (
+            json.loads(call.function.arguments) == {"expression": "6 * 7"} and whole.choices[0].message.content is None
+        )
+        stream = await chat.create(
+            model="tiny-tools", messages=ASK, tools=[CALCULATOR_TOOL], temperature=0, max_tokens=64, stream=True
+        )
+        chunks = [c async for c in stream if c.choices]
+        assert [t.function.name for c in chunks for t in c.choices[0].delta.tool_calls or []] == ["calculator"]
+        plain = await chat.create(model="tiny-tools", messages=ASK, temperature=0, max_tokens=64)  # no tools: text
+        assert "<|im_end|>" not in plain.choices[0].message.content  # other special tokens stay out
+    finally:
+        await http.aclose()

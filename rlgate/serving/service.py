@@ -62,6 +62,10 @@ class GatewayService:
             parser = detect_parser(tokenizer.chat_template)
         self.tool_parser = get_parser(parser, tokenizer) if parser not in (None, "none") else None
         self.reasoning = ReasoningParser(gateway.reasoning_parser, tokenizer) if gateway.reasoning_parser else None
+        # Parsers' markers the tokenizer marks special: kept in the text they read (other special tokens are not).
+        markers = set(getattr(self.tool_parser, "markers", ())) | set(getattr(self.reasoning, "markers", ()))
+        special = dict(zip(tokenizer.all_special_tokens, tokenizer.all_special_ids))
+        self.kept_special = frozenset(special[m] for m in markers if m in special)
         self.model_names = [settings.served_model_name, *gateway.model_aliases, "default"]
         self.responses = ResponseLog(gateway.responses_kept)  # for /v1/responses' previous_response_id
 

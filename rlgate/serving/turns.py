@@ -138,7 +138,8 @@ class Turn:
         completions = await self.g.engine.generate_all(self.prompt_ids, params)
         choices, interactions = [], []
         for c in completions:
-            reasoning, content, calls = self._answer(visible_text(self.g.tokenizer, c.token_ids, c.stop_reason))
+            text = visible_text(self.g.tokenizer, c.token_ids, c.stop_reason, self.g.kept_special)
+            reasoning, content, calls = self._answer(text)
             interactions.append(self._interaction(c, content, calls))
             logprobs = None
             if self.request.logprobs:
@@ -206,7 +207,7 @@ class Turn:
         calls once complete, the interactions recorded before the usage chunk. A
         refusal after the first chunk (engine or session down) is raised."""
         n = params.n
-        texts = [TextStream(self.g.tokenizer, list(params.stop)) for _ in range(n)]
+        texts = [TextStream(self.g.tokenizer, list(params.stop), self.g.kept_special) for _ in range(n)]
         calls_stream = [self.g.tool_parser.stream(self.tools) if self.use_tools else None for _ in range(n)]
         reasoning = self.g.reasoning
         thinking = [reasoning.stream(self.request.chat_template_kwargs) if reasoning else None for _ in range(n)]
@@ -250,7 +251,9 @@ class Turn:
                         yield self._chunk([ChunkChoice(index=i, delta=ChoiceDelta(content=rest))])
                 else:
                     _, content, calls = self._answer(
-                        visible_text(self.g.tokenizer, completion.token_ids, completion.stop_reason)
+                        visible_text(
+                            self.g.tokenizer, completion.token_ids, completion.stop_reason, self.g.kept_special
+                        )
                     )
                 interactions.append(self._interaction(completion, content, calls))
                 if calls:
