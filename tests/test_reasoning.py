@@ -10,16 +10,9 @@ import httpx
 import openai
 import pytest
 
-from rlgate.config import parse_config
 from rlgate.models import prepare_model
 from rlgate.reasoning import ReasoningParser
-from rlgate.serving.auth import Auth
-from rlgate.serving.clients import JobsClient, LocalEngine
-from rlgate.serving.owned import LocalSessions
-from rlgate.serving.routes import build_app
-from rlgate.serving.service import GatewayService
-from rlgate.sessions import SessionManager, hash_key
-from tests.test_serving import ADMIN, NoStores, Slots
+from tests.test_serving import ADMIN, serving_app
 
 ASK = [{"role": "user", "content": "What is 6 * 7?"}]
 GREEDY = {"temperature": 0, "max_tokens": 32}
@@ -49,29 +42,8 @@ async def think_engine(think_path):
 
 @pytest.fixture
 async def thinking(think_engine, think_tokenizer, tmp_path):
-    saved: list[dict] = []
-
-    async def persist(records: list[dict]) -> None:
-        saved.extend(records)
-
-    settings = parse_config(
-        {
-            "model": {"name": "tiny-think"},
-            "gateway": {"run_dir": str(tmp_path), "reasoning_parser": "qwen3", "export_style": "concat"},
-        }
-    )
-    manager = SessionManager(Slots(4), persist, export_style="concat")
-    service = GatewayService(
-        settings,
-        think_tokenizer,
-        Auth(hash_key(ADMIN)),
-        LocalSessions(manager),
-        LocalEngine(think_engine),
-        NoStores(),
-        JobsClient(lambda: None),
-    )
-    transport = httpx.ASGITransport(app=build_app(service))
-    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+    app, _, saved = serving_app(think_engine, think_tokenizer, tmp_path, "tiny-think", reasoning_parser="qwen3")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as http:
         yield http, saved
 
 

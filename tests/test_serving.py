@@ -39,26 +39,33 @@ class NoStores:
     """Status and trajectory reads are the actors' business; unused here."""
 
 
-@pytest.fixture
-async def served(hf_engine, tiny_tokenizer, tmp_path):
+def serving_app(engine, tokenizer, tmp_path, model: str = "tiny-random", **gateway):
+    """(the ASGI app, its SessionManager, the records it saved) of a gateway over
+    ``engine`` in this process, with these ``[gateway]`` settings (export_style concat)."""
     saved: list[dict] = []
 
     async def persist(records: list[dict]) -> None:
         saved.extend(records)
 
-    settings = parse_config({"model": {"name": "tiny-random"}, "gateway": {"run_dir": str(tmp_path)}})
+    gateway = {"run_dir": str(tmp_path), "export_style": "concat", **gateway}
+    settings = parse_config({"model": {"name": model}, "gateway": gateway})
     manager = SessionManager(Slots(4), persist, export_style="concat")
     service = GatewayService(
         settings,
-        tiny_tokenizer,
+        tokenizer,
         Auth(hash_key(ADMIN)),
         LocalSessions(manager),
-        LocalEngine(hf_engine),
+        LocalEngine(engine),
         NoStores(),
         JobsClient(lambda: None),
     )
-    transport = httpx.ASGITransport(app=build_app(service))
-    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+    return build_app(service), manager, saved
+
+
+@pytest.fixture
+async def served(hf_engine, tiny_tokenizer, tmp_path):
+    app, manager, saved = serving_app(hf_engine, tiny_tokenizer, tmp_path)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as http:
         yield http, manager, saved
 
 

@@ -11,15 +11,8 @@ import httpx
 import openai
 import pytest
 
-from rlgate.config import parse_config
 from rlgate.models import CALCULATOR_TOOL, prepare_model
-from rlgate.serving.auth import Auth
-from rlgate.serving.clients import JobsClient, LocalEngine
-from rlgate.serving.owned import LocalSessions
-from rlgate.serving.routes import build_app
-from rlgate.serving.service import GatewayService
-from rlgate.sessions import SessionManager, hash_key
-from tests.test_serving import ADMIN, NoStores, Slots
+from tests.test_serving import ADMIN, serving_app
 
 ASK = [{"role": "user", "content": "What is 6 * 7?"}]
 
@@ -39,28 +32,12 @@ async def serve(engine, tmp_path, tool_parser: str, special_markers: bool = Fals
     gateway with ``tool_parser``; ``special_markers``: the tokenizer marks <tool_call> special."""
     from transformers import AutoTokenizer
 
-    saved: list[dict] = []
-
-    async def persist(records: list[dict]) -> None:
-        saved.extend(records)
-
     tokenizer = AutoTokenizer.from_pretrained(prepare_model("tiny-tools"))
     if special_markers:  # as some models' tokenizers do: decoding without special tokens drops the tags
         tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<tool_call>", "</tool_call>"]})
         assert "<tool_call>" in tokenizer.all_special_tokens
-    gateway = {"run_dir": str(tmp_path), "tool_parser": tool_parser, "export_style": "concat"}
-    settings = parse_config({"model": {"name": "tiny-tools"}, "gateway": gateway})
-    manager = SessionManager(Slots(4), persist, export_style="concat")
-    service = GatewayService(
-        settings,
-        tokenizer,
-        Auth(hash_key(ADMIN)),
-        LocalSessions(manager),
-        LocalEngine(engine),
-        NoStores(),
-        JobsClient(lambda: None),
-    )
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(service)), base_url="http://gw")
+    app, _, saved = serving_app(engine, tokenizer, tmp_path, "tiny-tools", tool_parser=tool_parser)
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
     started = await http.post("/rl/start_session", json={"task_id": "t"}, headers={"Authorization": f"Bearer {ADMIN}"})
     key = started.json()["api_key"]
     return openai.AsyncOpenAI(base_url="http://gw/v1", api_key=key, http_client=http), http, key, saved
