@@ -191,7 +191,14 @@ async def test_refusals_are_anthropic_errors_and_record_nothing(served):  # noqa
         )
     stats = manager.stats()
     assert (stats["open_sessions"], stats["open_interactions"]) == (1, 0)
+    bearer_agent = anthropic.AsyncAnthropic(  # the SDK's auth_token: a bearer token, as some agents send it
+        base_url="http://gateway",
+        auth_token=key,
+        http_client=httpx2.AsyncClient(transport=httpx2.ASGITransport(app=http._transport.app)),
+        max_retries=0,
+    )
+    assert (await bearer_agent.messages.create(model="default", messages=asked, max_tokens=2)).usage.output_tokens
     reply = await client(http, "ignored", f"http://gateway/s/{key}").messages.create(
         model="default", messages=asked, max_tokens=2
     )
-    assert reply.usage.output_tokens >= 1 and manager.stats()["open_interactions"] == 1
+    assert reply.usage.output_tokens >= 1 and manager.stats()["open_interactions"] == 2

@@ -265,8 +265,25 @@ def test_forced_tool_calls_and_json_output_are_constrained_and_recorded(gw):
         max_tokens=160,
     )
     assert isinstance(json.loads(answered.choices[0].message.content)["ok"], bool)
+    # required, one call: the model picks among the tools, in its own format
+    required = api.chat.completions.create(
+        model="tiny-tools",
+        messages=ask("Hello"),
+        tools=[lookup],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=160,
+    )
+    assert [c.function.name for c in required.choices[0].message.tool_calls] == ["lookup"]
+    obj = api.chat.completions.create(
+        model="tiny-tools", messages=ask(), response_format={"type": "json_object"}, temperature=0, max_tokens=160
+    )
+    content = obj.choices[0].message.content  # any object: JSON from its first character; whole if it stopped
+    assert content.lstrip().startswith("{")
+    assert obj.choices[0].finish_reason == "length" or isinstance(json.loads(content), dict)
     headers = session_headers(session["api_key"])
-    assert httpx.post(f"{gw.url}/rl/end_session", headers=headers).json()["interaction_count"] == 2
+    assert httpx.post(f"{gw.url}/rl/end_session", headers=headers).json()["interaction_count"] == 4
     tokenizer = AutoTokenizer.from_pretrained(prepare_model("tiny-tools"))
     written = [
         tokenizer.decode(r["input_ids"][-forced.usage.completion_tokens :])
