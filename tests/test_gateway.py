@@ -476,10 +476,12 @@ def test_errors_say_what_was_wrong(gw):
     assert status == 404 and "tiny-tools" in message
     refused = post(json_body={**body, "logit_bias": {"5": 3}}, headers=session_headers(key))
     assert error(refused)[0] == 400 and refused.json()["error"]["param"] == "logit_bias"
-    status, message = error(
-        post(json_body={**body, "response_format": {"type": "json_object"}}, headers=session_headers(key))
-    )
-    assert status == 400 and "response_format" in message
+    named = {"type": "function", "function": {"name": "search"}}  # forcing a tool the request does not have
+    refused = post(json_body={**body, "tools": [CALCULATOR_TOOL], "tool_choice": named}, headers=session_headers(key))
+    assert error(refused)[0] == 400 and "'search', which is not in 'tools'" in error(refused)[1]
+    assert refused.json()["error"]["param"] == "tool_choice"
+    status, message = error(post(json_body={**body, "response_format": {"type": "xml"}}, headers=session_headers(key)))
+    assert status == 422 and "response_format" in message
     status, message = error(post(json_body={"model": "tiny-tools"}, headers=session_headers(key)))
     assert status == 422 and "messages" in message
     status, message = error(
