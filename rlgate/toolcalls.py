@@ -344,7 +344,9 @@ class VllmToolParser:
         return ChatCompletionRequest.model_validate(body)
 
     def parse(self, text: str, tools: list[dict] | None = None) -> ParsedOutput:
-        request = self._request(tools)
+        return self._extract(text, self._request(tools))
+
+    def _extract(self, text: str, request) -> ParsedOutput:
         parser = self.parser_class(self.tokenizer)
         found = parser.extract_tool_calls(text, parser.adjust_request(request))
         if not found.tools_called:
@@ -361,10 +363,9 @@ class VllmToolParser:
 
 class VllmToolStream:
     def __init__(self, owner: VllmToolParser, tools: list[dict] | None) -> None:
-        self.owner, self.tools = owner, tools
-        self.request = owner._request(tools)
+        self.owner = owner
         self.parser = owner.parser_class(owner.tokenizer)
-        self.request = self.parser.adjust_request(self.request)
+        self.request = self.parser.adjust_request(owner._request(tools))
         self.text, self.ids, self.sent = "", [], ""
 
     def feed(self, delta: str, delta_ids: list[int] = ()) -> list[str]:
@@ -384,7 +385,7 @@ class VllmToolStream:
     def finish(self) -> ParsedOutput:
         """The calls of the whole text; the content is exactly what was streamed (the
         client has it, and sends it back), or the whole text when it held no call."""
-        whole = self.owner.parse(self.text, self.tools)
+        whole = self.owner._extract(self.text, self.request)
         if not whole.tool_calls:
             return whole
         return ParsedOutput(content=self.sent if self.sent.strip() else None, tool_calls=whole.tool_calls)

@@ -255,8 +255,9 @@ class GatewayService:
                 )
                 if prompt_ids is not None:
                     return prompt_ids, parent.interaction_id
-            fresh = [m.for_template(reasoning=True) for m in request.messages]
-            return self.renderer.prompt_ids(fresh, tools, template_kwargs), None
+            if any(m.reasoning_content is not None or m.reasoning is not None for m in request.messages):
+                messages = [m.for_template(reasoning=True) for m in request.messages]
+            return self.renderer.prompt_ids(messages, tools, template_kwargs), None
         except Exception as err:  # the model's own template refused these messages
             raise HTTPError(400, f"the chat template cannot render these messages: {err}", param="messages") from None
 
@@ -290,8 +291,8 @@ class GatewayService:
                 params = params.model_copy(update={"structured": structured})
             prompt_ids, parent_id = self._prompt(request, messages, tools, keys, parent)
             self._check_prompt(prompt_ids)
-            use_tools = self.tool_parser is not None and tools is not None and request.tool_choice != "none"
-            turn = Turn(self, request, params, session_id, prompt_ids, parent_id, keys[-1], use_tools, id_prefix)
+            parsed_for = tools if self.tool_parser is not None and request.tool_choice != "none" else None
+            turn = Turn(self, request, params, session_id, prompt_ids, parent_id, keys[-1], parsed_for, id_prefix)
             if request.stream:
                 chunks = self.engine.stream(prompt_ids, params)
                 started = await self._started(chunks)

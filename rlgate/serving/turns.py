@@ -80,14 +80,14 @@ class Turn:
         prompt_ids,
         parent_id,
         messages_key,
-        use_tools,
+        tools: list[dict] | None,
         id_prefix: str = "chatcmpl-",
     ):
+        """``tools``: the request's tools when its answer is parsed for calls, else None."""
         self.g, self.request, self.params = service, request, params
         self.session_id, self.prompt_ids, self.parent_id = session_id, prompt_ids, parent_id
-        self.messages_key, self.use_tools = messages_key, use_tools
+        self.messages_key, self.tools = messages_key, tools
         self.id = id_prefix + secrets.token_hex(12)
-        self.tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         self.created = int(time.time())
         self.recorded = False
         self.settled = False  # recorded, or given back to the session (``settle``)
@@ -106,7 +106,7 @@ class Turn:
         if self.g.reasoning is not None:
             split = self.g.reasoning.split(text, self.request.chat_template_kwargs)
             reasoning, text = split.reasoning, split.content
-        if not self.use_tools:
+        if self.tools is None:
             return reasoning, text, []
         parsed = self.g.tool_parser.parse(text, self.tools)
         return reasoning, parsed.content, parsed.tool_calls
@@ -208,7 +208,7 @@ class Turn:
         refusal after the first chunk (engine or session down) is raised."""
         n = params.n
         texts = [TextStream(self.g.tokenizer, list(params.stop), self.g.kept_special) for _ in range(n)]
-        calls_stream = [self.g.tool_parser.stream(self.tools) if self.use_tools else None for _ in range(n)]
+        calls_stream = [self.g.tool_parser.stream(self.tools) if self.tools is not None else None for _ in range(n)]
         reasoning = self.g.reasoning
         thinking = [reasoning.stream(self.request.chat_template_kwargs) if reasoning else None for _ in range(n)]
         done = [Completion(index=i) for i in range(n)]
