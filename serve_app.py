@@ -4,17 +4,21 @@
     serve run serve_app:app                  # config from $RLGATE_CONFIG or configs/serve.toml
 
 The admin key comes from ``RLGATE_ADMIN_KEY`` (or the file ``RLGATE_ADMIN_KEY_FILE``
-names); without it a random key is generated and printed once. A weak key is refused off loopback.
+names); without it a random key is generated and printed once, on loopback and
+outside Ray's workers only (a config deploy builds the app in a Ray task, whose
+output goes to Ray's log files). Beyond loopback a weak or generated key is
+refused: here against the host asked for, and again in each Gateway replica
+against the address Serve's proxies really listen on.
 """
 
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import secrets
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from ray.serve import Application
 
@@ -23,13 +27,11 @@ from actors.rollout_server import RolloutServer
 from rlgate.config import RLGateConfig, load_config
 from rlgate.models import BUILTIN_DTYPES, prepare_model
 from rlgate.placement import replica_bundle
+from rlgate.serving.auth import AdminKeyRefused, is_weak, refuse_public_bind
 from rlgate.serving.routing import router_config, serve_start_options
 from rlgate.sessions import hash_key, new_key
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "serve.toml"
-# Keys published in other projects' docs and examples: never acceptable off loopback.
-KNOWN_WEAK_KEYS = {"areal-admin-key", "admin", "changeme", "password", "secret", "test", "sk-test"}
-MIN_KEY_LENGTH = 16
 
 
 def resolve_model(config: RLGateConfig) -> str:
@@ -38,28 +40,55 @@ def resolve_model(config: RLGateConfig) -> str:
     return str(prepare_model(config.model.name, storage))
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+class AdminKey(NamedTuple):
+    value: str
+    generated: bool
+
+    @property
+    def fit_for_public(self) -> bool:
+        """May guard a port beyond loopback: chosen by the operator and strong."""
+        return not self.generated and not is_weak(self.value)
 
 
-def admin_key(host: str) -> tuple[str, bool]:
-    """The admin key and whether it was generated. Refuses a weak key off loopback."""
+def in_ray_worker() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+
+
+def admin_key(host: str) -> AdminKey:
+    """The admin key and whether it was generated. Beyond loopback, refuses a
+    weak key and refuses to make one; in a Ray worker (a config deploy's build
+    task) it never makes one, since its print would land in Ray's logs."""
     key = os.environ.get("RLGATE_ADMIN_KEY")
     if not key and os.environ.get("RLGATE_ADMIN_KEY_FILE"):  # for `ray job submit`: Ray shows a job's env vars
         key = Path(os.environ["RLGATE_ADMIN_KEY_FILE"]).read_text().strip()
-    if not key:
-        return new_key("rlg-admin-"), True
-    if not is_loopback(host) and (key in KNOWN_WEAK_KEYS or len(key) < MIN_KEY_LENGTH):
-        raise SystemExit(
-            f"rlgate: refusing to bind {host} with a weak RLGATE_ADMIN_KEY (a published default or under "
-            f"{MIN_KEY_LENGTH} characters); set a long random key, e.g. `openssl rand -hex 32`"
+    if key:
+        refuse_public_bind(host, not is_weak(key))
+        return AdminKey(key, False)
+    refuse_public_bind(host, False)
+    if in_ray_worker():
+        raise AdminKeyRefused(
+            "rlgate: no admin key: set RLGATE_ADMIN_KEY or RLGATE_ADMIN_KEY_FILE in the environment Ray builds "
+            "the application in (a config file's runtime_env, or `serve run --runtime-env-json`); a generated "
+            "key would be printed into Ray's log files"
         )
-    return key, False
+    return AdminKey(new_key("rlg-admin-"), True)
+
+
+def serve_http_host() -> str:
+    """Where Serve's proxies listen: a running Serve controller's ``http_options``
+    (a config deploy starts it before building the app), else Serve's default."""
+    import ray
+    from ray.serve._private.constants import DEFAULT_HTTP_HOST
+
+    if ray.is_initialized():  # never start Ray here: `serve run` inits it after building, with its runtime env
+        from ray.serve.context import _get_global_client
+
+        client = _get_global_client(raise_if_no_controller_running=False)
+        if client is not None:
+            return client.http_config.host
+    return DEFAULT_HTTP_HOST or "127.0.0.1"
 
 
 def _settings(config: RLGateConfig) -> dict:
@@ -80,9 +109,13 @@ def build_rollout_app(config: RLGateConfig, initial_version: int = 0) -> Applica
     ).bind(_settings(config), resolve_model(config), initial_version)
 
 
-def build_app(config: RLGateConfig, admin_key_hash: str, initial_version: int = 0) -> Application:
+def build_app(
+    config: RLGateConfig, admin_key_hash: str, initial_version: int = 0, key_fit_for_public: bool = False
+) -> Application:
     """The Gateway (HTTP ingress): in front of the RolloutServer deployment, or
-    with ``[gateway] colocate`` each replica running its own engine."""
+    with ``[gateway] colocate`` each replica running its own engine.
+    ``key_fit_for_public``: the admin key may guard a port beyond loopback (each
+    replica refuses to start on such a port otherwise)."""
     # Serve's access log shows raw paths, and a scoped URL's path is a session key: the Gateway logs its own.
     no_access_log = {"enable_access_log": False}
     deployment = secrets.token_hex(8)  # a replica replacing a crashed one of this deployment resumes its sessions
@@ -96,21 +129,23 @@ def build_app(config: RLGateConfig, admin_key_hash: str, initial_version: int = 
             logging_config=no_access_log,
             request_router_config=router_config(config.rollout.replicas),  # a session's requests go to its owner
         )
-        return gateway.bind(None, _settings(config), resolve_model(config), admin_key_hash, initial_version, deployment)
+        args = (_settings(config), resolve_model(config), admin_key_hash, initial_version, deployment)
+        return gateway.bind(None, *args, key_fit_for_public)
     engines = build_rollout_app(config, initial_version)
     gateway = Gateway.options(
         num_replicas=config.gateway.replicas, ray_actor_options={"num_cpus": 0}, logging_config=no_access_log
     )
-    return gateway.bind(engines, _settings(config), resolve_model(config), admin_key_hash, initial_version, deployment)
+    args = (_settings(config), resolve_model(config), admin_key_hash, initial_version, deployment)
+    return gateway.bind(engines, *args, key_fit_for_public)
 
 
 def app_builder(args: dict) -> Application:
     """Entry point for ``serve run serve_app:app`` and Serve YAML ``import_path``."""
     config = load_config(args.get("config") or os.environ.get("RLGATE_CONFIG") or DEFAULT_CONFIG)
-    key, generated = admin_key(config.gateway.host)
-    if generated:
-        print(f"rlgate: admin key (shown once): {key}", file=sys.stderr, flush=True)
-    return build_app(config, hash_key(key))
+    key = admin_key(serve_http_host())  # the proxies' real address, not the TOML's [gateway] host
+    if key.generated:
+        print(f"rlgate: admin key (shown once): {key.value}", file=sys.stderr, flush=True)
+    return build_app(config, hash_key(key.value), key_fit_for_public=key.fit_for_public)
 
 
 app = app_builder
@@ -132,7 +167,10 @@ def main() -> None:
     host = args.host or config.gateway.host
     port = args.port or config.gateway.port
     config.gateway.host, config.gateway.port = host, port
-    key, generated = admin_key(host)
+    try:
+        key = admin_key(host)
+    except AdminKeyRefused as refused:
+        raise SystemExit(str(refused)) from None
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -140,11 +178,12 @@ def main() -> None:
     ray.init(address=os.environ.get("RAY_ADDRESS"))
     # agents use the head; its proxy routes each session's requests to the replica that owns it
     serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port}, **serve_start_options())
-    serve.run(build_app(config, hash_key(key)), name="rlgate", route_prefix="/")
+    app = build_app(config, hash_key(key.value), key_fit_for_public=key.fit_for_public)
+    serve.run(app, name="rlgate", route_prefix="/")
     url = f"http://{host}:{port}"
     print(f"rlgate: serving {config.served_model_name} at {url} (OpenAI base URL {url}/v1)", flush=True)
-    if generated:
-        print(f"rlgate: admin key (shown once; set RLGATE_ADMIN_KEY to choose it): {key}", flush=True)
+    if key.generated:
+        print(f"rlgate: admin key (shown once; set RLGATE_ADMIN_KEY to choose it): {key.value}", flush=True)
     stop.wait()
     serve.shutdown()
 

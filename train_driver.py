@@ -39,7 +39,7 @@ from rlgate.serving.routing import serve_start_options
 from rlgate.sessions import hash_key, new_key
 from rlgate.taskapp import TaskAppClient, TaskAppError, environment_key
 from rlgate.tasks import Episodes, builtin_episodes, evaluate, get_task, task_app_episodes
-from serve_app import admin_key, build_app, resolve_model
+from serve_app import AdminKey, admin_key, build_app, resolve_model
 
 
 def main() -> int:
@@ -204,21 +204,22 @@ def serve_gateway(config: RLGateConfig, version: int, private: bool = False) -> 
     RL job's gateway, whose admin key this process makes and shows to no one."""
     gateway = config.gateway
     host, port, prefix = gateway.host, gateway.port, gateway.route_prefix
-    key, generated = (new_key("rlg-admin-"), False) if private else admin_key(host)
+    # a job's key is made here and shown to no one, so it may guard any port
+    key = AdminKey(new_key("rlg-admin-"), False) if private else admin_key(host)
     quiet = {"enable_access_log": False}  # a line per request would bury the progress bar
     if "access_log" not in gateway.model_fields_set:
         gateway.access_log = False
     # One proxy, on the head: agents use one address (a proxy per node would also collide on a shared host).
     http = {"host": host, "port": port}
     serve.start(proxy_location="HeadOnly", http_options=http, logging_config=quiet, **serve_start_options())
-    app = build_app(config, hash_key(key), initial_version=version)
+    app = build_app(config, hash_key(key.value), initial_version=version, key_fit_for_public=key.fit_for_public)
     serve.run(app, name=app_name(config), route_prefix=prefix, logging_config=quiet)
     address = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     url = f"http://{address}:{port}{prefix.rstrip('/')}"
     print(f"rlgate: gateway at {url} (OpenAI base URL {url}/v1)", flush=True)
-    if generated:
-        print(f"rlgate: admin key (shown once; set RLGATE_ADMIN_KEY to choose it): {key}", flush=True)
-    return direct_url(config, address) or url, key
+    if key.generated:
+        print(f"rlgate: admin key (shown once; set RLGATE_ADMIN_KEY to choose it): {key.value}", flush=True)
+    return direct_url(config, address) or url, key.value
 
 
 def direct_url(config: RLGateConfig, address: str) -> str | None:

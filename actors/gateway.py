@@ -44,7 +44,7 @@ from actors.trajectory_store import TrajectoryStore
 from rlgate import api
 from rlgate.config import RLGateConfig
 from rlgate.engines import RequestLog, make_engine
-from rlgate.serving.auth import Auth, Slot
+from rlgate.serving.auth import Auth, Slot, refuse_public_bind
 from rlgate.serving.clients import EngineClient, JobsClient, LocalEngine, Peers, SessionClient, StoreClient
 from rlgate.serving.errors import HTTPError
 from rlgate.serving.listener import Listener, bind
@@ -58,6 +58,15 @@ from rlgate.telemetry import Metrics
 NAMESPACE = "rlgate"
 
 
+async def proxy_host() -> str:
+    """The address Serve's HTTP proxies listen on, from the Serve controller."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    return (await controller.get_http_config.remote()).host
+
+
 @serve.deployment(name="Gateway", max_ongoing_requests=2048, health_check_period_s=10, health_check_timeout_s=60)
 @serve.ingress()  # the app is built in the replica, by __serve_build_asgi_app__
 class Gateway:
@@ -69,16 +78,24 @@ class Gateway:
         admin_key_hash: str,
         initial_version: int = 0,
         deployment: str = "",
+        key_fit_for_public: bool = False,
     ) -> None:
         """``rollout`` is the RolloutServer handle (None when colocated);
         ``deployment`` names this deployment of the application: a replica that
         finds its own name beside the session journal took over from a crashed
         one (its sessions go on), any other found the journal of an earlier
-        application (its sessions are ended and exported, reason ``restart``)."""
+        application (its sessions are ended and exported, reason ``restart``).
+        ``key_fit_for_public``: the admin key may guard a port beyond loopback;
+        without it the replica refuses to start where Serve's proxies listen
+        beyond loopback (whatever the TOML's ``[gateway] host`` says)."""
         from transformers import AutoTokenizer
 
         settings = RLGateConfig.model_validate(config)
         gateway = settings.gateway
+        refuse_public_bind(await proxy_host(), key_fit_for_public)
+        if gateway.direct_port is not None:  # its own listener binds [gateway] host
+            refuse_public_bind(gateway.host, key_fit_for_public)
+
         run = f"rlgate-{gateway.run_name}"
         capacity = get_or_create_capacity(
             f"{run}-capacity", NAMESPACE, gateway.max_concurrent, str(Path(gateway.run_dir) / "capacity.jsonl")

@@ -23,6 +23,7 @@ import openai
 import pytest
 import yaml
 
+from rlgate.config import load_config
 from rlgate.placement import ROLLOUT_RESOURCE, TRAINER_RESOURCE
 from tests.test_training import free_port, lines
 
@@ -297,5 +298,62 @@ def test_serve_run_of_the_serve_yaml_applies_its_replicas_resources_and_autoscal
         assert len(replicas) == autoscaling["min_replicas"]
         # and it serves: a session with the official client through the file's proxy
         episode(f"http://127.0.0.1:{port}", "served", 1.0)
+    finally:
+        cluster.cli("serve", "shutdown", f"--address={cluster.dashboard}", "--yes")
+
+
+def test_an_admin_key_is_judged_where_serve_really_listens(cluster, tmp_path, tiny_path):
+    """The TOML's [gateway] host says loopback, the Serve config binds 0.0.0.0:
+    a weak key is refused (by the build task, which asks Serve's controller), and
+    so is a key no one vouched for by the Gateway replica itself (a driver that
+    deploys onto a Serve already listening beyond loopback)."""
+    spec = yaml.safe_load((ROOT / "configs" / "serve.yaml").read_text())
+    [shipped] = spec["applications"]
+    settings = (ROOT / shipped["args"]["config"]).read_text().replace('"smollm2-135m-instruct"', '"tiny-random"')
+    assert load_config(ROOT / shipped["args"]["config"]).gateway.host == "127.0.0.1"
+    (tmp_path / "serve.toml").write_text(settings.replace('engine = "auto"', 'engine = "hf"'))
+    spec["http_options"] = {"host": "0.0.0.0", "port": free_port()}
+    shipped["args"]["config"] = str(tmp_path / "serve.toml")
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(spec))
+
+    def application() -> dict:
+        return httpx.get(f"{cluster.dashboard}/api/serve/applications/", timeout=30).json()["applications"]
+
+    try:
+        for attempt, env_vars in enumerate([{"RLGATE_ADMIN_KEY": "changeme"}, {"RLGATE_ADMIN_KEY": ""}]):
+            if attempt:  # a fresh controller, so the failure below is this deploy's
+                cluster.cli("serve", "shutdown", f"--address={cluster.dashboard}", "--yes")
+            runtime_env = json.dumps({"env_vars": env_vars})
+            serve_run = ["serve", "run", str(tmp_path / "serve.yaml"), f"--address={cluster.gcs}"]
+            cluster.cli(*serve_run, f"--working-dir={ROOT}", f"--runtime-env-json={runtime_env}", "--non-blocking")
+            failed = wait_for(
+                "the deploy to fail",
+                lambda: (app := application().get("rlgate", {})).get("status") == "DEPLOY_FAILED" and app,
+                300,
+                context=lambda: json.dumps(application())[-3000:],
+            )
+            assert (
+                "refusing to serve on 0.0.0.0 (beyond loopback) with a weak or generated admin key"
+                in (failed["message"])
+            )
+            assert "changeme" not in failed["message"] and "rlg-admin-" not in failed["message"]
+        # Serve now listens on 0.0.0.0; a driver deploys with a strong key it did not vouch for
+        driver = f"""
+import ray
+from ray import serve
+from rlgate.config import load_config
+from rlgate.sessions import hash_key
+from serve_app import build_app
+ray.init(address="{cluster.gcs}", runtime_env={{"working_dir": "{ROOT}"}})
+try:
+    serve.run(build_app(load_config("{tmp_path / "serve.toml"}"), hash_key("{ADMIN_KEY}")), name="direct")
+except Exception as error:
+    print("FAILED", error)
+"""
+        done = subprocess.run(
+            [sys.executable, "-c", driver], env=cluster.env, capture_output=True, text=True, timeout=600, cwd=ROOT
+        )
+        assert "FAILED" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+        assert "refusing to serve on 0.0.0.0 (beyond loopback)" in done.stdout + done.stderr
     finally:
         cluster.cli("serve", "shutdown", f"--address={cluster.dashboard}", "--yes")

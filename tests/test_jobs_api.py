@@ -267,8 +267,8 @@ def test_jobs_queue_beyond_capacity_and_cancel_mid_run(jobsgw, task_app, tmp_pat
     assert queued["status"] == "queued" and "as many as [gateway] max_running_jobs allows" in queued["waiting"]
     listed = rlgate(jobsgw, "jobs", "list").stdout
     assert re.search(rf"{first.job_id}\s+running", listed) and re.search(rf"{second_id}\s+queued", listed)
-    for touch in ("get_status", "cancel"):  # one job's key neither reads nor cancels another job
-        with pytest.raises(RLGateError) as foreign:
+    for touch in ("get_status", "events", "metrics", "get_results", "cancel"):  # one job's key neither reads
+        with pytest.raises(RLGateError) as foreign:  # nor cancels another job
             getattr(RLJob.from_job_id(second.job_id, jobsgw.url, first.job_api_key), touch)()
         assert foreign.value.status == 403, touch
     assert first.cancel()["status"] == "cancelled"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import pytest
 
@@ -270,7 +271,7 @@ def test_a_journal_too_big_to_read_back_is_a_clear_error_not_a_restart_loop(tmp_
     assert path.stat().st_size == size  # the journal is left as it was for the operator
 
 
-def test_a_line_it_cannot_apply_costs_that_line_only(tmp_path):
+def test_a_line_it_cannot_apply_costs_that_line_only(tmp_path, caplog):
     path = tmp_path / "journal.jsonl"
     store = manager(SessionJournal(path), [])
 
@@ -286,5 +287,7 @@ def test_a_line_it_cannot_apply_costs_that_line_only(tmp_path):
         handle.write(json.dumps({"op": "record", "id": a, "interactions": [{"unknown": 1}]}) + "\n")
     b = asyncio.run(store.start("task", "hash-b"))  # written after them
     restored = manager(SessionJournal(path), [])
-    assert restored.restore() == 2
+    with caplog.at_level(logging.WARNING):
+        assert restored.restore() == 2
     assert set(restored.sessions) == {a, b} and list(restored.sessions[a].trajectory.interactions) == ["c0"]
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) >= 2, caplog.text  # one per line

@@ -121,6 +121,8 @@ async def test_the_listener_serves_the_app_and_shares_its_port():
                 await asyncio.sleep(0.01)
             answer = await http.get(f"http://127.0.0.1:{port}/ping")
         assert answer.json() == {"pong": True} and first.port == second.port == port
+        # no access log: a raw path may hold a scoped URL's session key
+        assert first.server.config.access_log is False
     finally:
         await first.close()
         await second.close()

@@ -72,13 +72,20 @@ def test_sessions_spread_stay_on_their_engine_and_survive_a_killed_replica(two):
     direct = [f"http://127.0.0.1:{app.config.gateway.direct_port + slot}" for slot in (0, 1)]
     on_one = next(s for s in started if key_slot(s["api_key"]) == 1)
     assert httpx.get(f"{direct[1]}/s/{on_one['api_key']}/v1/models").status_code == 200
+    served = {slot: replica(app, slot).recent_requests.remote(32).result() for slot in (0, 1)}
     refused = httpx.get(f"{direct[0]}/s/{on_one['api_key']}/v1/models")
     assert refused.status_code == 421 and "replica 1" in refused.json()["error"]["message"]
+    chat = {"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    misrouted = httpx.post(f"{direct[0]}/s/{on_one['api_key']}/v1/chat/completions", json=chat, timeout=60)
+    assert misrouted.status_code == 421  # and its session is untouched: nothing generated, nothing ended
+    assert {slot: replica(app, slot).recent_requests.remote(32).result() for slot in (0, 1)} == served
+    assert replica(app, 1).replica_status.remote().result()["open_sessions"] == status[1]["open_sessions"]
     # a made-up key with replica 1's slot reaches replica 1 (through Serve's proxy too) and is refused there
-    forged = f"rlg1-{secrets.token_urlsafe(32)}"
-    for base in (direct[1], app.url):
-        answer = httpx.get(f"{base}/s/{forged}/v1/models", timeout=60)
-        assert answer.status_code == 401 and answer.json()["error"]["message"], answer.text
+    # and one naming no replica there is (slot 9 of 2) reaches some replica, which refuses it alike
+    for forged in (f"rlg1-{secrets.token_urlsafe(32)}", f"rlg9-{secrets.token_urlsafe(32)}"):
+        for base in (direct[1], app.url):
+            answer = httpx.get(f"{base}/s/{forged}/v1/models", timeout=60)
+            assert answer.status_code == 401 and answer.json()["error"]["message"], answer.text
 
     # a refresh through any replica reaches the key's owner: the old session ends, one opens under the key
     refreshed = next(s for s in started if key_slot(s["api_key"]) == 1)

@@ -65,6 +65,8 @@ JOB_ROUTE = {"admin": 200, "job": 200, "*": 401}
 def routes(job_id: str, interaction: str) -> list[tuple[str, str, dict | None, dict]]:
     chat = {"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     text = {"model": "tiny-random", "prompt": "hi", "max_tokens": 2}
+    message = {"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    response = {"model": "tiny-random", "input": "hi", "max_output_tokens": 2}
     too_big = {"config": {"model": {"name": "tiny-random"}, "rollout": {"num_gpus": 64}}}
     # a cloud's metadata endpoint as the task app: not allowed ([jobs] task_app_hosts), so never called
     metadata = {"config": {"model": {"name": "tiny-random"}}, "task_app_url": "http://169.254.169.254/latest"}
@@ -85,12 +87,22 @@ def routes(job_id: str, interaction: str) -> list[tuple[str, str, dict | None, d
         ("POST", "/chat/completions", chat, SESSION_ROUTE),
         ("POST", "/v1/completions", text, SESSION_ROUTE),
         ("POST", "/completions", text, SESSION_ROUTE),
+        ("POST", "/v1/messages", message, SESSION_ROUTE),  # Anthropic Messages: a bearer key,
+        ("POST", "x-api-key /v1/messages", message, SESSION_ROUTE),  # or Anthropic's own header
+        ("POST", "/v1/responses", response, SESSION_ROUTE),
+        ("POST", "/responses", response, SESSION_ROUTE),
         # another session's key names its own session, never A's interactions
         ("POST", "/rl/set_reward", {"reward": 0.5, "interaction_id": interaction}, SESSION_ROUTE | {"other": 404}),
         # the scoped URL: the key is the path (the header is ignored); no key is no route
         ("GET", "/s/{key}/v1/models", None, SESSION_ROUTE | {"none": 404}),
+        ("GET", "/s/{key}/models", None, SESSION_ROUTE | {"none": 404}),
         ("POST", "/s/{key}/v1/chat/completions", chat, SESSION_ROUTE | {"none": 404}),
+        ("POST", "/s/{key}/chat/completions", chat, SESSION_ROUTE | {"none": 404}),
         ("POST", "/s/{key}/v1/completions", text, SESSION_ROUTE | {"none": 404}),
+        ("POST", "/s/{key}/completions", text, SESSION_ROUTE | {"none": 404}),
+        ("POST", "/s/{key}/v1/messages", message, SESSION_ROUTE | {"none": 404}),
+        ("POST", "/s/{key}/v1/responses", response, SESSION_ROUTE | {"none": 404}),
+        ("POST", "/s/{key}/responses", response, SESSION_ROUTE | {"none": 404}),
         ("GET", "/api/rl/jobs", None, ADMIN_ROUTE),
         ("POST", "/api/rl/jobs", too_big, {"admin": 422, "*": 401}),  # authorised, then refused: no GPUs
         ("POST", "/api/rl/jobs", metadata, {"admin": 422, "*": 401}),  # authorised, then refused: the host
@@ -130,6 +142,9 @@ def test_every_route_answers_every_credential_as_intended_and_no_key_leaks(sec, 
             if "{key}" in path:  # the credential is the path; a header with another key changes nothing
                 url = sec.url + path.replace("{key}", "" if key is None else key.replace(" ", "%20"))
                 headers = {"Authorization": f"Bearer {keys['wrong']}"}
+            elif path.startswith("x-api-key "):  # the key alone, in Anthropic's header
+                url = sec.url + path.split()[1]
+                headers = {} if key is None else {"x-api-key": key}
             else:
                 url = sec.url + path
                 headers = {} if key is None else {"Authorization": key if " " in key else f"Bearer {key}"}

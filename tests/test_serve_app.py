@@ -95,8 +95,35 @@ def test_weak_admin_keys_are_refused_off_loopback(config_file, key):
         timeout=120,
     )
     assert result.returncode != 0
-    assert "refusing to bind 0.0.0.0 with a weak RLGATE_ADMIN_KEY" in result.stderr
+    assert "refusing to serve on 0.0.0.0 (beyond loopback) with a weak or generated admin key" in result.stderr
     assert key not in result.stderr  # the key itself is never echoed
+
+
+def test_no_admin_key_is_made_where_its_print_would_land_in_rays_logs(ray_session, monkeypatch):
+    """A config deploy builds the app in a Ray task: there a key is never generated
+    (its print goes to Ray's log files), on loopback either; a given key is taken."""
+    import ray
+
+    import serve_app
+
+    monkeypatch.delenv("RLGATE_ADMIN_KEY", raising=False)
+    monkeypatch.delenv("RLGATE_ADMIN_KEY_FILE", raising=False)
+
+    @ray.remote(num_cpus=0, runtime_env={"env_vars": {"RLGATE_ADMIN_KEY": ""}})
+    def build_task_key(given: str | None):
+        if given:
+            os.environ["RLGATE_ADMIN_KEY"] = given
+        try:
+            return serve_app.admin_key("127.0.0.1")
+        except serve_app.AdminKeyRefused as refused:
+            return str(refused)
+
+    refused = ray.get(build_task_key.remote(None))
+    assert "no admin key: set RLGATE_ADMIN_KEY or RLGATE_ADMIN_KEY_FILE" in refused
+    assert "rlg-admin-" not in refused
+    given = "a-long-enough-admin-key-for-tests"
+    assert ray.get(build_task_key.remote(given)) == (given, False)
+    assert serve_app.admin_key("127.0.0.1").generated  # a driver on loopback still gets one, printed to its user
 
 
 @pytest.mark.slow

@@ -443,3 +443,22 @@ def test_every_generated_key_is_256_random_bits(monkeypatch):
     ]:
         assert key.startswith(prefix)
         assert len(base64.urlsafe_b64decode(key.removeprefix(prefix) + "=")) == 32
+
+
+def test_keys_are_compared_as_sha256_digests_in_constant_time(monkeypatch):
+    """The admin key is checked by its digest with hmac.compare_digest; session
+    keys are looked up by digest, so no raw key is ever kept or compared."""
+    import hmac
+
+    from rlgate.serving.auth import Auth
+
+    compared = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(sessions.hmac, "compare_digest", lambda a, b: compared.append((a, b)) or real(a, b))
+    admin = "rlgate-admin-key-for-this-test"
+    auth = Auth(hash_key(admin))
+    assert auth.is_admin(admin) and not auth.is_admin("rlgate-admin-key-for-this-tesT")
+    assert len(compared) == 2 and all(admin.encode() not in pair for pair in compared)
+    assert all(len(a) == len(b) == 64 for a, b in compared)  # hex SHA-256 both sides
+    key = new_session_key()
+    assert auth.session_key(f"Bearer {key}") == hash_key(key) != key

@@ -1,16 +1,52 @@
 """Who is calling: the admin key, a session key or a job key, from ``Authorization: Bearer``;
 and, among colocated replicas, whether a session key is this replica's (its :class:`Slot`).
 
-Keys are compared by SHA-256 in constant time and never kept raw.
+Keys are compared by SHA-256 in constant time and never kept raw. Which admin
+keys may guard a port beyond loopback is decided here too (:func:`refuse_public_bind`).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 
 from rlgate.serving.errors import HTTPError
 from rlgate.sessions import hash_key, same_secret
+
+# Keys published in other projects' docs and examples: never acceptable off loopback.
+KNOWN_WEAK_KEYS = frozenset({"areal-admin-key", "admin", "changeme", "password", "secret", "test", "sk-test"})
+MIN_KEY_LENGTH = 16
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_weak(key: str) -> bool:
+    return key in KNOWN_WEAK_KEYS or len(key) < MIN_KEY_LENGTH
+
+
+class AdminKeyRefused(RuntimeError):
+    """The admin key may not guard where the application would listen."""
+
+
+def refuse_public_bind(host: str, key_fit_for_public: bool) -> None:
+    """Refuse to serve beyond loopback with an admin key that is weak or was
+    generated and printed (a print in a Serve replica or build task lands in
+    Ray's log files). ``host`` is where Serve's proxies really listen."""
+    if not is_loopback(host) and not key_fit_for_public:
+        raise AdminKeyRefused(
+            f"rlgate: refusing to serve on {host} (beyond loopback) with a weak or generated admin key: set "
+            f"RLGATE_ADMIN_KEY (or RLGATE_ADMIN_KEY_FILE) to a long random key (at least {MIN_KEY_LENGTH} "
+            "characters, not a published default), e.g. `openssl rand -hex 32`, in the environment the "
+            "application is built in"
+        )
 
 
 def bearer(authorization: str | None) -> str:
