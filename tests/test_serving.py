@@ -196,3 +196,39 @@ async def test_too_many_messages_or_choices_are_refused_naming_the_limit(served)
     with pytest.raises(openai.BadRequestError, match="n=17 exceeds this gateway's limit of 16"):
         await chat.create(model="tiny-random", messages=many[:1], max_tokens=2, n=17)
     assert manager.stats()["open_interactions"] == 0  # refused before anything was generated
+
+
+async def test_a_large_prompt_is_tokenised_off_the_event_loop(served, monkeypatch):
+    """One request near max_body_bytes must not stall every other request this
+    process serves: past OFF_LOOP_CHARS its prompt is rendered and tokenised in a
+    worker thread (short prompts stay on the loop, where a thread hop costs more)."""
+    import threading
+
+    from rlgate.chat import ChatRenderer
+    from rlgate.serving import service
+
+    http, _, _ = served
+    threads = []
+    real = ChatRenderer.prompt_ids
+
+    def spy(self, *args, **kwargs):
+        threads.append(threading.current_thread())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ChatRenderer, "prompt_ids", spy)
+    key = await start(http)
+    for content in ("hi", "word " * (service.OFF_LOOP_CHARS // 5 + 1)):
+        answer = await http.post(
+            "/v1/chat/completions",
+            json={"model": "tiny-random", "messages": [{"role": "user", "content": content}], "max_tokens": 2},
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        assert answer.status_code in (200, 400), answer.text  # the long one is past tiny-random's context
+    assert threads[0] is threading.main_thread()
+    assert threads[1] is not threading.main_thread() and threads[1].name.startswith("rlgate-tokenize")
+    long = await http.post(
+        "/v1/completions",
+        json={"model": "tiny-random", "prompt": "word " * (service.OFF_LOOP_CHARS // 5 + 1), "max_tokens": 2},
+        headers={"Authorization": f"Bearer {key}"},
+    )
+    assert long.status_code == 400 and "the model's context holds" in long.json()["error"]["message"]

@@ -16,6 +16,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from openai.types import Completion, CompletionChoice, CompletionUsage, Model
@@ -34,6 +35,22 @@ from rlgate.serving.turns import Turn, TurnStream, chain, choice_id
 from rlgate.sessions import hash_key, new_session_key
 from rlgate.toolcalls import detect_parser, get_parser, json_format, structural_tag
 from rlgate.trajectory import Interaction
+
+# A prompt longer than this (characters) is rendered and tokenised in a worker
+# thread, so one large request (up to [gateway] max_body_bytes) never stalls
+# every other request this process serves; shorter ones stay on the event loop,
+# where a thread hop would cost more than the work.
+OFF_LOOP_CHARS = 32_768
+
+
+def prompt_chars(messages: list[dict]) -> int:
+    """About how many characters rendering ``messages`` will tokenise."""
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        total += len(content) if isinstance(content, str) else len(json.dumps(content)) if content else 0
+    return total
+
 
 if TYPE_CHECKING:  # the Ray-backed clients; tests may hand in any object with their methods
     from rlgate.serving.clients import EngineClient, JobsClient, Peers, SessionClient, StoreClient
@@ -57,6 +74,8 @@ class GatewayService:
         gateway = settings.gateway
         self.renderer = ChatRenderer(tokenizer) if tokenizer.chat_template else None
         self.text_of = TokenText(tokenizer)
+        # one thread: large prompts wait for each other there, not for the event loop
+        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="rlgate-tokenize")
         parser = gateway.tool_parser
         if parser == "auto":
             parser = detect_parser(tokenizer.chat_template)
@@ -197,6 +216,12 @@ class GatewayService:
             ignore_eos=request.ignore_eos,
         )
 
+    async def _off_loop_if_large(self, chars: int, work, *args):
+        """``work(*args)``, in the tokenising thread when it reads more than ``OFF_LOOP_CHARS``."""
+        if chars <= OFF_LOOP_CHARS:
+            return work(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, work, *args)
+
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         context = self.settings.rollout.max_model_len
         if len(prompt_ids) >= context:
@@ -289,7 +314,9 @@ class GatewayService:
             structured = self._constraint(request, tools)
             if structured is not None:
                 params = params.model_copy(update={"structured": structured})
-            prompt_ids, parent_id = self._prompt(request, messages, tools, keys, parent)
+            prompt_ids, parent_id = await self._off_loop_if_large(
+                prompt_chars(messages), self._prompt, request, messages, tools, keys, parent
+            )
             self._check_prompt(prompt_ids)
             parsed_for = tools if self.tool_parser is not None and request.tool_choice != "none" else None
             turn = Turn(self, request, params, session_id, prompt_ids, parent_id, keys[-1], parsed_for, id_prefix)
@@ -307,7 +334,7 @@ class GatewayService:
     async def completions(self, request: api.CompletionRequest, authorization: str | None) -> Completion:
         key_hash = self.auth.session_key(authorization)
         if isinstance(request.prompt, str):
-            prompt_ids = self.tokenizer.encode(request.prompt)
+            prompt_ids = await self._off_loop_if_large(len(request.prompt), self.tokenizer.encode, request.prompt)
         else:
             prompt_ids = list(request.prompt)
             if any(not 0 <= t < len(self.tokenizer) for t in prompt_ids):
