@@ -50,7 +50,7 @@ def run_chat(config_path: str, max_tokens: int = 64) -> int:
         resolve_model(config)
     port = _free_port(config.gateway.port)
     url = f"http://127.0.0.1:{port}"
-    admin = {"Authorization": f"Bearer {secrets.token_urlsafe(24)}"}
+    admin = {"Authorization": f"Bearer {secrets.token_urlsafe(32)}"}  # 256 bits, as every key rlgate makes
     with console.status(f"Starting Ray, a {config.rollout.engine} rollout engine and the gateway (about 30 s on CPU)"):
         ray.init(include_dashboard=False, log_to_driver=False)
         serve.start(
