@@ -10,7 +10,9 @@ silently.
 
     type = "rl"; [algorithm] type = "online", method = "policy_gradient", variety -> [algorithm] variety
     [model] base -> [model] name; label -> [gateway] served_model_name; trainer_mode = "full"
-    [policy] model (when [model] has no base) -> [model] name; max_tokens, temperature, top_p, top_k,
+            ([model] or [policy] trainer_mode "lora" and a hosted source are refused)
+    [policy] model or model_name (when [model] has no base; all named must agree) -> [model] name;
+             max_tokens, temperature, top_p, top_k,
              repetition_penalty, stop_sequences -> [task] policy_config (the sampling the task app asks for)
     [services] task_url -> [services] task_url
     [rollout] env_name, policy_name, env_config, policy_config, max_turns, ops,
@@ -19,11 +21,15 @@ silently.
                [rollout] episodes_per_batch sessions per step (both given: they must agree);
                group_size, learning_rate; gradient_accumulation_steps -> grad_accumulation;
                num_epochs x iterations_per_epoch -> total_steps; max_turns -> [task] max_turns
-    [training] weight_sync (enable, mode "full", targets ["policy"]): every step pushes full weights
+    [training] weight_sync (enable, mode "full", targets ["policy"]): every step pushes full weights;
+               its direct, verify_every_k and chunk_bytes are listed as ignored
+    [training] step_rewards_* flat or in [training.rewards]: accepted (and listed) while they weigh nothing
+    [verifier], [rubric] without enabled = true: listed as ignored
     [compute] gpu_type ("cpu": no GPUs), gpu_count; [topology] or [compute.topology] gpus_for_vllm,
               gpus_for_training, tensor_parallel -> [rollout] tensor_parallel_size
     [reference] placement (or [compute.topology] reference_placement): "none", or a KL reference
-              (rlgate keeps it in the trainer: [algorithm] kl_coef, 0.04 unless set)
+              (rlgate keeps it in the trainer: [algorithm] kl_coef, 0.04 unless set); the SDK writes
+              [reference] placement = "none" beside any topology, so a reference asked for in either wins
     [vllm] max_model_len, gpu_memory_utilization, tensor_parallel_size -> [rollout]
     [evaluation] every_n_iters, seeds; instances episodes (the seeds in turn) -> [evaluation] seeds
     [data] seed_start -> [task] seed_start; split -> [task] env_config.split;
@@ -44,9 +50,8 @@ SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
 # Keys that change nothing here, and why (listed in a job's events).
 IGNORED = {
     "policy.inference_url": "rlgate serves the policy itself: each episode gets its session's URL",
-    "policy.trainer_mode": "as [model] trainer_mode",
+    "policy.trainer_mode": "full fine-tuning, as [model] trainer_mode",
     "policy.label": "as [model] label",
-    "policy.source": "as [model] source",
     "data.episodes_per_iteration": "rlgate counts steps: [training] num_epochs x iterations_per_epoch",
     "data.evaluation_episodes": "rlgate evaluates [evaluation] instances episodes",
     "training.reward_positive": "rewards are the task app's, as it answers them",
@@ -61,6 +66,9 @@ IGNORED = {
     "training.step_rewards_strategy": "with step_rewards_beta = 0 step rewards weigh nothing",
     "training.event_rewards_kind": "with step_rewards_beta = 0 step rewards weigh nothing",
     "training.step_rewards_enabled": "with step_rewards_beta = 0 step rewards weigh nothing",
+    "training.weight_sync.direct": "weights go to the engines directly, every step",
+    "training.weight_sync.verify_every_k": "every push is exact (see README: weight sync)",
+    "training.weight_sync.chunk_bytes": "rlgate's weight sync sizes its own transfers",
     "reference.port": "the reference model runs inside the trainer",
     "reference.tp": "the reference model runs inside the trainer",
     "reference.health_max_wait_s": "the reference model runs inside the trainer",
@@ -111,7 +119,7 @@ class _Mapper:
     def ignore_known(self) -> None:
         """Every key present that :data:`IGNORED` names: used, and listed with its reason."""
         for name, why in IGNORED.items():
-            section, key = name.split(".")
+            section, _, key = name.partition(".")  # nested keys (weight_sync.direct) are listed where read
             if name not in self.used and key in (self.data.get(section) or {}):
                 self.used.add(name)
                 self.ignored.append(f"{name}: {why}")
@@ -145,18 +153,27 @@ def map_synth(data: dict, source: str = "config") -> Mapped:
         m.refuse("algorithm.method", "only 'policy_gradient' is supported")
     m.put("algorithm", "variety", m.get("algorithm", "variety"))
     # [model], [policy]
-    if m.get("model", "source"):
-        m.refuse(
-            "model.source",
-            "continuing from a hosted checkpoint id is not supported; set [model] base to a "
-            "local folder, a cached Hugging Face id or a built-in model",
-        )
-    base, policy_model = m.get("model", "base"), m.get("policy", "model") or m.get("policy", "model_name")
-    if base and policy_model and policy_model != base:
-        m.refuse("policy.model", f"{policy_model!r} differs from [model] base {base!r}; name one model")
-    m.put("model", "name", base or policy_model)
-    if m.get("model", "trainer_mode", "full") != "full":
-        m.refuse("model.trainer_mode", "only full fine-tuning ('full') is supported; LoRA is not")
+    for section in ("model", "policy"):
+        if m.get(section, "source"):
+            m.refuse(
+                f"{section}.source",
+                "continuing from a hosted checkpoint id is not supported; set [model] base to a "
+                "local folder, a cached Hugging Face id or a built-in model",
+            )
+    base = m.get("model", "base")
+    named = {key: m.get("policy", key) for key in ("model", "model_name") if m.get("policy", key)}
+    model = base or next(iter(named.values()), None)
+    for key, policy_model in named.items():
+        if policy_model != model:
+            where = "[model] base" if base else "[policy] model"
+            m.refuse(f"policy.{key}", f"{policy_model!r} differs from {where} {model!r}; name one model")
+    m.put("model", "name", model)
+    for section in ("model", "policy"):
+        mode = (m.data.get(section) or {}).get("trainer_mode", "full")
+        if mode != "full":
+            m.get(section, "trainer_mode")
+            m.refuse(f"{section}.trainer_mode", f"{mode!r}: only full fine-tuning ('full') is supported; LoRA is not")
+    m.get("model", "trainer_mode")
     m.put("gateway", "served_model_name", m.get("model", "label"))
     sampling = {key: m.get("policy", key) for key in SAMPLING if m.get("policy", key) is not None}
     # [services]
@@ -188,20 +205,16 @@ def map_synth(data: dict, source: str = "config") -> Mapped:
     if epochs is not None or iterations is not None:
         m.put("training", "total_steps", (epochs or 1) * (iterations or 1))
     if m.get("training", "max_turns") is not None:
-        m.put("task", "max_turns", m.get("training", "max_turns"))
+        turns, rollout_turns = m.get("training", "max_turns"), m.get("rollout", "max_turns")
+        if rollout_turns is not None and rollout_turns != turns:
+            m.ignored.append(f"rollout.max_turns: {rollout_turns}; [training] max_turns ({turns}) wins")
+        m.put("task", "max_turns", turns)
     if m.get("training", "weight_sync_interval", 1) not in (None, 1):
         m.refuse("training.weight_sync_interval", "weights are pushed after every step (1)")
-    for key in ("lora", "rewards"):
-        if m.get("training", key):
-            m.refuse(f"training.{key}", "not supported; remove it")
+    if m.get("training", "lora"):
+        m.refuse("training.lora", "LoRA is not supported; remove it to train the full model")
     _map_weight_sync(m)
-    training = data.get("training") or {}  # read, not used: with beta 0 these keys are listed as ignored
-    if training.get("step_rewards_enabled") and training.get("step_rewards_beta", 0) not in (None, 0):
-        m.refuse(
-            "training.step_rewards_beta",
-            "weighted step rewards are not supported; rlgate takes the task app's metrics.event_rewards as "
-            "per-turn rewards as they are; set step_rewards_beta = 0 or leave step rewards off",
-        )
+    _map_step_rewards(m)
     # [vllm], then [compute] and [topology] (whose tensor_parallel wins)
     for key in ("max_model_len", "gpu_memory_utilization", "tensor_parallel_size"):
         m.put("rollout", key, m.get("vllm", key))
@@ -217,7 +230,9 @@ def map_synth(data: dict, source: str = "config") -> Mapped:
     for section in ("verifier", "rubric"):
         if data.get(section, {}).get("enabled"):
             m.refuse(f"{section}.enabled", "LLM verifiers are not supported; the task app returns rewards")
-        m.used.update(f"{section}.{key}" for key in data.get(section, {}))
+        for key in data.get(section, {}):  # an LLM verifier that is off: its settings weigh nothing
+            m.used.add(f"{section}.{key}")
+            m.ignored.append(f"{section}.{key}: the verifier is off (enabled is not true); rewards are the task app's")
     if data.get("lora"):
         m.refuse("lora", "not supported; remove it")
     m.used.update(f"lora.{key}" for key in data.get("lora", {}))
@@ -242,7 +257,9 @@ def _with_compute_topology(data: dict) -> dict:
     placement = topology.pop("reference_placement", None)
     data = {**data, "compute": {k: v for k, v in compute.items() if k != "topology"}}
     data["topology"] = {**topology, **(data.get("topology") or {})}
-    if placement is not None and "placement" not in (data.get("reference") or {}):
+    # synth-ai's SDK writes [reference] placement = "none" beside a topology that asks for one:
+    # a reference asked for in either place is kept
+    if placement is not None and (data.get("reference") or {}).get("placement", "none") == "none":
         data["reference"] = {**(data.get("reference") or {}), "placement": placement}
     return data
 
@@ -264,8 +281,32 @@ def _map_batch(m: _Mapper) -> None:
         m.put("training", "batch_size", episodes)
 
 
+def _map_step_rewards(m: _Mapper) -> None:
+    """Step rewards, flat (deprecated) or in ``[training.rewards]`` (which synth-ai
+    prefers): accepted while they weigh nothing (off, or beta 0), and listed."""
+    training = m.data.get("training") or {}
+    nested = m.get("training", "rewards") or {}
+    for key in nested:
+        if f"training.{key}" not in IGNORED:
+            m.refuse(f"training.rewards.{key}", "unknown key in a synth-ai config")
+        m.ignored.append(f"training.rewards.{key}: {IGNORED[f'training.{key}']}")
+    settings = {**training, **nested}  # read, not used: with beta 0 the flat keys are listed as ignored
+    if settings.get("step_rewards_enabled") and settings.get("step_rewards_beta", 0) not in (None, 0):
+        m.refuse(
+            "training.step_rewards_beta",
+            "weighted step rewards are not supported; rlgate takes the task app's metrics.event_rewards as "
+            "per-turn rewards as they are; set step_rewards_beta = 0 or leave step rewards off",
+        )
+
+
 def _map_weight_sync(m: _Mapper) -> None:
     sync = m.get("training", "weight_sync") or {}
+    for key in sync:
+        name = f"training.weight_sync.{key}"
+        if name in IGNORED:
+            m.ignored.append(f"{name}: {IGNORED[name]}")
+        elif key not in ("enable", "mode", "weight_sync_interval", "targets"):
+            m.refuse(name, "unknown key in a synth-ai config")
     if sync.get("enable") is False:
         m.refuse("training.weight_sync.enable", "weights are always pushed to the engines after each step")
     if sync.get("mode", "full") != "full":

@@ -101,11 +101,20 @@ def test_gpus_are_split_between_rollouts_and_training(compute, rollout_gpus, rep
     "change, message",
     [
         ({"model__source": "ft:job_1"}, r"model.source: continuing from a hosted checkpoint"),
-        ({"model__trainer_mode": "lora"}, r"model.trainer_mode: only full fine-tuning"),
+        ({"model__trainer_mode": "lora"}, r"model.trainer_mode: 'lora': only full fine-tuning"),
         ({"algorithm__type": "offline"}, r"algorithm.type: only 'online'"),
         ({"algorithm__variety": "ppo"}, r"algorithm.variety: Input should be"),
         ({"training__weight_sync_interval": 4}, r"training.weight_sync_interval: weights are pushed after every step"),
-        ({"training__lora": {"r": 8}}, r"training.lora: not supported"),
+        ({"training__lora": {"r": 8}}, r"training.lora: LoRA is not supported"),
+        ({"policy__trainer_mode": "lora"}, r"policy.trainer_mode: 'lora': only full fine-tuning"),
+        ({"policy__source": "ft:job_1"}, r"policy.source: continuing from a hosted checkpoint"),
+        ({"policy__model_name": "Qwen/Qwen3-4B"}, r"policy.model_name: 'Qwen/Qwen3-4B' differs from \[model\] base"),
+        ({"training__weight_sync": {"bogus": 1}}, r"training.weight_sync.bogus: unknown key"),
+        ({"training__rewards": {"bogus": 1}}, r"training.rewards.bogus: unknown key"),
+        (
+            {"training__rewards": {"step_rewards_enabled": True, "step_rewards_beta": 0.5}},
+            r"weighted step rewards",
+        ),
         ({"type": "sft"}, r"type: 'sft': this is an RL config endpoint"),
         ({"training__step_rewards_enabled": True, "training__step_rewards_beta": 0.5}, r"weighted step rewards"),
         ({"policy__model": "Qwen/Qwen3-4B"}, r"policy.model: 'Qwen/Qwen3-4B' differs from \[model\] base"),
@@ -234,3 +243,41 @@ def test_every_rl_config_shipped_in_synth_ai_parses_with_synth_ais_meaning():
     crafter = map_synth(shipped["synth_ai/cli/demo_apps/crafter/rl_from_base_qwen4b.toml"])
     assert parse_config(crafter.config).training.batch_size == 64  # episodes_per_batch, no batch_size given
     assert "training.step_rewards_enabled" in {item.split(":")[0] for item in crafter.ignored}  # weighted 0
+
+
+def test_what_synth_ais_sdk_adds_or_moves_keeps_its_meaning():
+    """What the SDK sends beside what its user wrote: [policy] model_name with
+    model, the reference asked for in [compute.topology] while the SDK writes
+    [reference] placement = "none", nested [training.rewards] and weight_sync
+    keys that weigh nothing, a verifier that is off; all accepted as meant, and
+    every key that changes nothing listed."""
+    from rlgate.synth import map_synth
+
+    sent = with_(
+        policy={"model": "Qwen/Qwen3-0.6B", "model_name": "Qwen/Qwen3-0.6B", "trainer_mode": "full", "label": "x"},
+        compute={"gpu_type": "cpu", "gpu_count": 1, "topology": {"reference_placement": "shared"}},
+        reference={"placement": "none"},
+        verifier={"reward_blend": {"env": 0.0, "outcome": 1.0}, "options": {"provider": "openai"}},
+        training__rewards={"step_rewards_enabled": False},
+        training__weight_sync={"enable": True, "targets": ["policy"], "direct": True, "verify_every_k": 4},
+        training__max_turns=1,
+    )
+    mapped = map_synth(sent)
+    config = parse_config(sent)
+    assert config.model.name == "Qwen/Qwen3-0.6B"
+    assert config.algorithm.kl_coef == 0.04  # the topology's reference, not the SDK's "none"
+    assert config.task.max_turns == 1
+    ignored = {item.split(":")[0] for item in mapped.ignored}
+    expected = {
+        "training.rewards.step_rewards_enabled",
+        "training.weight_sync.direct",
+        "training.weight_sync.verify_every_k",
+        "verifier.reward_blend",
+        "verifier.options",
+        "rollout.max_turns",  # 3 in [rollout], 1 in [training]: the latter wins, and it is said
+        "policy.trainer_mode",
+        "policy.label",
+    }
+    assert expected <= ignored, expected - ignored
+    only_model_name = with_(policy={"model_name": "Qwen/Qwen3-1.7B"}, model={"trainer_mode": "full"})
+    assert parse_config(only_model_name).model.name == "Qwen/Qwen3-1.7B"

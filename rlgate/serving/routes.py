@@ -115,7 +115,8 @@ def build_app(service: GatewayService, metrics: Metrics | None = None) -> FastAP
         return await service.job("get_events", job_id, service.auth.job_caller(authorization), since_seq, limit)
 
     @app.get("/api/rl/jobs/{job_id}/metrics")
-    async def job_metrics(job_id: str, after_step: int = Query(0, ge=0), authorization: str | None = Header(None)):
+    async def job_metrics(job_id: str, after_step: int = Query(0, ge=-1), authorization: str | None = Header(None)):
+        # -1 (what synth-ai's SDK sends by default) and 0 both mean every point: steps count from 1
         caller = service.auth.job_caller(authorization)
         return {"points": await service.job("get_metrics", job_id, caller, after_step)}
 
