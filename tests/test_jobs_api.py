@@ -125,6 +125,7 @@ def test_a_job_runs_on_ray_and_reports_results_events_and_metrics(jobsgw, task_a
     assert evaluated["step"] == 2 and evaluated["eval_episodes"] + evaluated["eval_failed"] == 3
     assert [e["seq"] for e in job.events(since_seq=4)] == [5, 6]
     assert [m["step"] for m in job.metrics(after_step=1)] == [2]
+    assert [m["step"] for m in job.metrics(after_step=-1)] == [1, 2]  # synth-ai's SDK asks with -1 for all
 
     # It was a Ray job: Ray's own job API (the dashboard's) knows it by the same id.
     from ray.job_submission import JobStatus, JobSubmissionClient
