@@ -28,12 +28,21 @@ import ray
 from pydantic import ValidationError
 from ray import serve
 
-from actors.trainer import checkpoint_states
 from actors.trajectory_store import last_seq
 from rlgate.batching import GroupBuffer
 from rlgate.config import ConfigError, RLGateConfig, dump_config, load_config
-from rlgate.loop import NAMESPACE, Trainer, collect, normaliser, score, surviving
+from rlgate.loop import Trainer, collect, normaliser, score, surviving
 from rlgate.placement import cluster_nodes, plan, unplaceable, wait_for_room, worker_bundle
+from rlgate.run import (
+    INHERITED_STATE,
+    NAMESPACE,
+    actor_name,
+    app_name,
+    checkpoint_states,
+    checkpoints_dir,
+    end_actors,
+    get_actor,
+)
 from rlgate.runlog import RunLog
 from rlgate.serving.routing import serve_start_options
 from rlgate.sessions import hash_key, new_key
@@ -82,7 +91,7 @@ def main() -> int:
     # before anything starts: a bad task app fails the run at once
     task_app = check_task_app(config, task_app_key(args.job_manager, config.gateway.run_name))
     signal.signal(signal.SIGTERM, interrupted)  # after ray.init, which sets its own: `ray job stop` acts as Ctrl-C
-    run = f"rlgate-{config.gateway.run_name}"
+    run = config.gateway.run_name
     gpus = trainer_gpus(config)
     bundles = plan(config, gpus)
     problem = unplaceable(bundles, cluster_nodes(len(bundles)))  # fail now, not wait forever for resources
@@ -95,9 +104,7 @@ def main() -> int:
     if not args.resume:
         forget_earlier_run(run, run_dir)
     url, key = serve_gateway(config, version, private=args.job_manager is not None)
-    trajectories = ray.get_actor(f"{run}-trajectories", namespace=NAMESPACE)
-    capacity = ray.get_actor(f"{run}-capacity", namespace=NAMESPACE)
-    policy = ray.get_actor(f"{run}-policy", namespace=NAMESPACE)
+    trajectories, capacity, policy = (get_actor(run, role) for role in ("trajectories", "capacity", "policy"))
     buffer_settings = dict(
         batch_size=training.batch_size,
         group_size=training.group_size,
@@ -110,13 +117,12 @@ def main() -> int:
         {
             "settings": config.model_dump(),
             "model_path": resolve_model(config),
-            "channel": f"{run}-train",
-            "policy": f"{run}-policy",
+            "channel": actor_name(run, "train"),
+            "policy": actor_name(run, "policy"),
         },
         config.compute.trainer_workers,
         worker_bundle(config, gpus).as_ray(),  # [compute] placement = "split" adds rlgate_trainer
         storage=run_dir,
-        name="trainer",
         first_command=first_command,
         max_failures=training.max_failures,
     )
@@ -168,7 +174,7 @@ def main() -> int:
             f"rlgate: {step} steps, policy version {version}; metrics in {log.path}"
             + (f", reward curve {plot}" if plot else "")
         )
-        serve.delete(app_name(config))
+        serve.delete(app_name(config.gateway.run_name, config.gateway.route_prefix))
         if not serve.status().applications:  # nothing else is served here
             serve.shutdown()
     if episodes is not None and episodes.stats.fatal is not None:
@@ -193,11 +199,6 @@ def served(policy, version: int, replicas: int) -> None:
             time.sleep(1.0)
 
 
-def app_name(config: RLGateConfig) -> str:
-    """The run's Serve application: ``rlgate`` at the root, else named for the run."""
-    return "rlgate" if config.gateway.route_prefix == "/" else f"rlgate-{config.gateway.run_name}"
-
-
 def serve_gateway(config: RLGateConfig, version: int, private: bool = False) -> tuple[str, str]:
     """The gateway and rollout engines on Serve's HTTP proxy (one already running
     keeps its own host and port); returns the URL and admin key. ``private``: an
@@ -213,7 +214,7 @@ def serve_gateway(config: RLGateConfig, version: int, private: bool = False) -> 
     http = {"host": host, "port": port}
     serve.start(proxy_location="HeadOnly", http_options=http, logging_config=quiet, **serve_start_options())
     app = build_app(config, hash_key(key.value), initial_version=version, key_fit_for_public=key.fit_for_public)
-    serve.run(app, name=app_name(config), route_prefix=prefix, logging_config=quiet)
+    serve.run(app, name=app_name(config.gateway.run_name, prefix), route_prefix=prefix, logging_config=quiet)
     address = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     url = f"http://{address}:{port}{prefix.rstrip('/')}"
     print(f"rlgate: gateway at {url} (OpenAI base URL {url}/v1)", flush=True)
@@ -308,7 +309,7 @@ def evaluation(config: RLGateConfig, step: int, url: str, key: str, task_app: Ta
 def resume_point(run_dir: Path, resume: bool) -> tuple[int, int, dict | None, Path | None, int]:
     """(step, version, GroupBuffer state, model folder, next trainer command) of the
     latest checkpoint, or a fresh start."""
-    found = checkpoint_states(run_dir / "trainer")
+    found = checkpoint_states(checkpoints_dir(run_dir))
     if not resume:
         if found:
             raise SystemExit(
@@ -327,30 +328,12 @@ def forget_earlier_run(run: str, run_dir: Path) -> None:
     """A fresh run must not inherit published weights, sessions or capacity
     counts left in the cluster by an earlier run of the same name, nor take
     over its open sessions from their journal (kept aside, not deleted)."""
-    names = [f"{run}-{suffix}" for suffix in ("policy", "capacity", "sessions")]
-    for name in names:
-        try:
-            ray.kill(ray.get_actor(name, namespace=NAMESPACE))
-        except ValueError:
-            pass  # no such actor: nothing to forget
-    # ray.kill returns before the actor is gone; until its name is freed, a
-    # get-or-create of this run would find the dying actor instead of a new one.
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and any(_named_actor_alive(name) for name in names):
-        time.sleep(0.1)
+    end_actors(run, INHERITED_STATE)  # and waits until their names are free for this run's
     journal = run_dir / "sessions" / "journal.jsonl"
     if journal.exists() and journal.stat().st_size:
         aside = journal.with_name(f"journal-{time.strftime('%Y%m%d-%H%M%S')}.set-aside.jsonl")
         journal.rename(aside)
         print(f"rlgate: an earlier run's open sessions are not taken over; their journal is at {aside}", flush=True)
-
-
-def _named_actor_alive(name: str) -> bool:
-    try:
-        ray.get_actor(name, namespace=NAMESPACE)
-        return True
-    except ValueError:
-        return False
 
 
 def note_waiting(run_dir: Path, reason: str | None) -> None:

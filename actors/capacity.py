@@ -36,6 +36,7 @@ import ray
 
 from rlgate.capacity import CapacityRule, CapacityStats, GroupReservations, free_slots
 from rlgate.logfile import append_whole, json_lines, open_log
+from rlgate.run import run_of
 from rlgate.telemetry import Metrics
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class CapacityActor:
         # Holders whose count this actor does not know (after its restart), until they reconcile.
         self.unknown: set[str] = set()
         name = (ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None) or "rlgate-capacity"
-        self.metrics = Metrics(name.removeprefix("rlgate-").removesuffix("-capacity"))
+        self.metrics = Metrics(run_of(name, "capacity"))
         self._state_log, self._state_bytes, self.state_rewrite_bytes = None, 0, STATE_REWRITE_BYTES
         restarted = ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
         if restarted and self.state_path is not None and self.state_path.exists():

@@ -44,6 +44,7 @@ from actors.trajectory_store import TrajectoryStore
 from rlgate import api
 from rlgate.config import RLGateConfig
 from rlgate.engines import RequestLog, make_engine
+from rlgate.run import NAMESPACE, actor_name
 from rlgate.serving.auth import Auth, Slot, refuse_public_bind
 from rlgate.serving.clients import EngineClient, JobsClient, LocalEngine, Peers, SessionClient, StoreClient
 from rlgate.serving.errors import HTTPError
@@ -54,8 +55,6 @@ from rlgate.serving.routes import build_app
 from rlgate.serving.service import GatewayService
 from rlgate.sessions import SessionError
 from rlgate.telemetry import Metrics
-
-NAMESPACE = "rlgate"
 
 
 async def proxy_host() -> str:
@@ -96,12 +95,15 @@ class Gateway:
         if gateway.direct_port is not None:  # its own listener binds [gateway] host
             refuse_public_bind(gateway.host, key_fit_for_public)
 
-        run = f"rlgate-{gateway.run_name}"
+        run = gateway.run_name
         capacity = get_or_create_capacity(
-            f"{run}-capacity", NAMESPACE, gateway.max_concurrent, str(Path(gateway.run_dir) / "capacity.jsonl")
+            actor_name(run, "capacity"),
+            NAMESPACE,
+            gateway.max_concurrent,
+            str(Path(gateway.run_dir) / "capacity.jsonl"),
         )
         trajectories = TrajectoryStore.options(
-            name=f"{run}-trajectories", namespace=NAMESPACE, lifetime="detached", get_if_exists=True
+            name=actor_name(run, "trajectories"), namespace=NAMESPACE, lifetime="detached", get_if_exists=True
         ).remote(gateway.run_dir)
         self.engine, self.follower, self.request_log = None, None, RequestLog(0)
         replica = serve.get_replica_context()
@@ -114,7 +116,7 @@ class Gateway:
             self.engine = make_engine(model_path, settings.rollout, settings.model.dtype, initial_version)
             await self.engine.ready()
             policy = get_or_create_policy_store(
-                f"{run}-policy", NAMESPACE, initial_version, str(Path(gateway.run_dir) / "policy.json")
+                actor_name(run, "policy"), NAMESPACE, initial_version, str(Path(gateway.run_dir) / "policy.json")
             )
             self.follower = PolicyFollower(self.engine, policy, replica.replica_id.unique_id)
             await self.follower.start()  # serve the current policy before taking traffic
@@ -130,7 +132,7 @@ class Gateway:
             engine = EngineClient(rollout)
             sessions = SessionClient(
                 SessionStore.options(
-                    name=f"{run}-sessions", namespace=NAMESPACE, lifetime="detached", get_if_exists=True
+                    name=actor_name(run, "sessions"), namespace=NAMESPACE, lifetime="detached", get_if_exists=True
                 ).remote(capacity, trajectories, gateway.model_dump())
             )
 

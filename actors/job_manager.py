@@ -41,6 +41,7 @@ from rlgate import jobs
 from rlgate.config import ConfigError, JobsConfig, dump_config
 from rlgate.egress import TargetRefused, check_url
 from rlgate.placement import cluster_nodes, plan, unplaceable
+from rlgate.run import NAMESPACE, ROLES, actor_name, app_name, checkpoint_states, checkpoints_dir, end_actors
 from rlgate.sessions import SessionError, hash_key, new_key, same_secret
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,7 +209,7 @@ class JobManager:
             self.keyed.add(job_id)
         gateway = config.gateway
         gateway.run_name, gateway.run_dir = job_id, str(self._run_dir(job_id).parent)
-        gateway.host, gateway.port, gateway.route_prefix = self.gateway["host"], self.gateway["port"], f"/jobs/{job_id}"
+        gateway.host, gateway.port, gateway.route_prefix = self.gateway["host"], self.gateway["port"], job_route(job_id)
         gateway.access_log = False  # a line per request would bury the job's log
         config.tags = {**config.tags, **{str(k): str(v) for k, v in request.tags.items()}}
         dump_config(config, self._folder(job_id) / "config.toml")
@@ -373,9 +374,8 @@ class JobManager:
     def _results(self, job_id: str) -> jobs.JobResults:
         metrics = self._metrics(job_id)
         found = []
-        for state in self._run_dir(job_id).glob("trainer/checkpoint_*/trainer_state.json"):
-            step = json.loads(state.read_text())["driver"]["step"]
-            found.append(jobs.Checkpoint(step=step, path=str(state.parent / "model")))
+        for folder, state in checkpoint_states(checkpoints_dir(self._run_dir(job_id))).items():
+            found.append(jobs.Checkpoint(step=state["driver"]["step"], path=str(folder / "model")))
         found.sort(key=lambda c: c.step)
         return jobs.JobResults(
             final_reward=metrics[-1]["reward_mean"] if metrics else None,
@@ -458,16 +458,18 @@ class JobManager:
         its own cleanup) and its run's detached actors; its files stay."""
         from ray import serve
 
+        app = app_name(job_id, job_route(job_id))
         try:
-            if f"rlgate-{job_id}" in serve.status().applications:
-                await asyncio.to_thread(serve.delete, f"rlgate-{job_id}", False)
+            if app in serve.status().applications:
+                await asyncio.to_thread(serve.delete, app, False)
         except Exception as err:
             print(f"rlgate jobs: could not remove the Serve app of {job_id}: {err}", file=sys.stderr)
-        for suffix in ("sessions", "trajectories", "capacity", "policy", "train"):
-            try:
-                ray.kill(ray.get_actor(f"rlgate-{job_id}-{suffix}", namespace="rlgate"))
-            except ValueError:
-                pass  # never made, or gone already
+        await asyncio.to_thread(end_actors, job_id, ROLES, 0.0)
+
+
+def job_route(job_id: str) -> str:
+    """Where a job's own gateway is served (its run is named by the job id)."""
+    return f"/jobs/{job_id}"
 
 
 def _last_line(logs: str) -> str | None:
@@ -484,10 +486,10 @@ def _last_line(logs: str) -> str | None:
 def get_or_create_job_manager(
     run_name: str, jobs_dir: str, gateway: dict, max_running: int = 1, jobs_section: dict | None = None
 ):
-    name = f"rlgate-{run_name}-jobs"
+    name = actor_name(run_name, "jobs")
     manager = (
         ray.remote(JobManager)
-        .options(name=name, namespace="rlgate", lifetime="detached", get_if_exists=True, num_cpus=0)
+        .options(name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0)
         .remote(jobs_dir, gateway, max_running, jobs_section, name)
     )
     manager.set_jobs_section.remote(jobs_section or {})  # one made earlier keeps its own until told

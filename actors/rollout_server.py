@@ -23,8 +23,7 @@ from ray import serve
 from actors.policy_store import PolicyFollower, get_or_create_policy_store
 from rlgate.config import RLGateConfig
 from rlgate.engines import Completion, Engine, RequestLog, SamplingParams, TokenChunk, collect, make_engine
-
-POLICY_NAMESPACE = "rlgate"
+from rlgate.run import NAMESPACE, actor_name
 
 
 @serve.deployment(
@@ -42,8 +41,8 @@ class RolloutServer:
         await self.engine.ready()
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.policy = get_or_create_policy_store(
-            f"rlgate-{settings.gateway.run_name}-policy",
-            POLICY_NAMESPACE,
+            actor_name(settings.gateway.run_name, "policy"),
+            NAMESPACE,
             initial_version,
             str(Path(settings.gateway.run_dir) / "policy.json"),
         )

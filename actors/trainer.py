@@ -29,10 +29,8 @@ from actors.policy_store import Republisher
 from rlgate.config import RLGateConfig
 from rlgate.grpo import LossConfig
 from rlgate.loop import surviving
+from rlgate.run import NAMESPACE, STATE_FILE, checkpoint_states
 from rlgate.trainer import PolicyTrainer, StepSettings, collate
-
-NAMESPACE = "rlgate"
-STATE_FILE = "trainer_state.json"
 
 
 def shard(rows: list, rank: int, world: int) -> list:
@@ -118,11 +116,6 @@ def train_worker(setup: dict) -> None:
         _report(metrics, new_version, rank, save)
         ray.get(channel.done.remote(index, rank, metrics))
         index += 1
-
-
-def checkpoint_states(storage: str | Path) -> dict[Path, dict]:
-    """Each checkpoint folder a run's trainer saved under ``storage``, with its trainer state."""
-    return {p.parent: json.loads(p.read_text()) for p in Path(storage).glob(f"checkpoint_*/{STATE_FILE}")}
 
 
 @contextlib.contextmanager

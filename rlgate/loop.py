@@ -19,8 +19,8 @@ import torch
 
 from rlgate.batching import Batch, GroupBuffer
 from rlgate.grpo import group_advantages
+from rlgate.run import CHECKPOINTS, NAMESPACE, checkpoints_dir
 
-NAMESPACE = "rlgate"
 logger = logging.getLogger(__name__)
 
 
@@ -112,7 +112,6 @@ class Trainer:
         workers: int,
         resources_per_worker: dict[str, float],
         storage: Path,
-        name: str,
         first_command: int = 0,
         max_failures: int = 3,
     ) -> None:
@@ -126,14 +125,14 @@ class Trainer:
         self.workers = workers
         self._trainer = TorchTrainer(
             train_worker,
-            train_loop_config=setup | {"checkpoints": str(Path(storage) / name)},
+            train_loop_config=setup | {"checkpoints": str(checkpoints_dir(storage))},
             scaling_config=ScalingConfig(
                 num_workers=workers,
                 use_gpu=resources_per_worker.get("GPU", 0) > 0,
                 resources_per_worker=resources_per_worker,
             ),
             run_config=RunConfig(
-                name=name,
+                name=CHECKPOINTS,  # so Ray Train's checkpoints land in the run's checkpoints_dir
                 storage_path=str(storage),
                 failure_config=FailureConfig(max_failures=max_failures),
                 checkpoint_config=CheckpointConfig(num_to_keep=3),
