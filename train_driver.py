@@ -28,10 +28,11 @@ import ray
 from pydantic import ValidationError
 from ray import serve
 
+from actors.trainer import TrainerWorkers
 from actors.trajectory_store import last_seq
 from rlgate.batching import GroupBuffer
 from rlgate.config import ConfigError, RLGateConfig, dump_config, load_config
-from rlgate.loop import Trainer, collect, normaliser, score, surviving
+from rlgate.loop import collect, normaliser, score, surviving
 from rlgate.placement import cluster_nodes, plan, unplaceable, wait_for_room, worker_bundle
 from rlgate.run import (
     INHERITED_STATE,
@@ -113,7 +114,7 @@ def main() -> int:
         drop_equal_reward_groups=algorithm["drop_equal_reward_groups"],
     )
     buffer = GroupBuffer.restore(buffer_state, **buffer_settings)
-    trainer = Trainer(
+    trainer = TrainerWorkers(
         {
             "settings": config.model_dump(),
             "model_path": resolve_model(config),

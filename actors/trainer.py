@@ -1,6 +1,7 @@
-"""GRPO trainer workers: the function Ray Train runs on each worker.
+"""GRPO trainer workers: :func:`train_worker`, the function Ray Train runs on
+each worker, and :class:`TrainerWorkers`, the driver's handle on them.
 
-Created by ``train_driver.py`` through a ``TorchTrainer``: ``[compute]
+Created by ``train_driver.py`` through :class:`TrainerWorkers` (a ``TorchTrainer``): ``[compute]
 trainer_workers`` workers on a placement group that Ray Train reserves (GPU
 bundles when ``gpus_per_worker`` > 0, CPU bundles otherwise), data parallel
 (DDP; gloo on CPU). Called through the run's TrainChannel: each command is a
@@ -19,6 +20,8 @@ import json
 import logging
 import math
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import ray
@@ -29,7 +32,7 @@ from actors.policy_store import Republisher
 from rlgate.config import RLGateConfig
 from rlgate.grpo import LossConfig
 from rlgate.loop import surviving
-from rlgate.run import NAMESPACE, STATE_FILE, checkpoint_states
+from rlgate.run import CHECKPOINTS, NAMESPACE, STATE_FILE, checkpoint_states, checkpoints_dir
 from rlgate.trainer import PolicyTrainer, StepSettings, collate
 
 
@@ -164,3 +167,85 @@ def _report(metrics: dict, version: int, rank: int, save: tuple | None) -> None:
             (Path(folder) / STATE_FILE).write_text(json.dumps(state))
             checkpoint = Checkpoint.from_directory(folder)
         ray.train.report({**metrics, "version": version}, checkpoint=checkpoint)
+
+
+class TrainerWorkers:
+    """The driver's handle on the run's Ray Train workers: Ray Train's
+    ``TorchTrainer`` running :func:`train_worker` in a thread, driven one command
+    at a time through the run's TrainChannel, behind a synchronous ``step``."""
+
+    def __init__(
+        self,
+        setup: dict,
+        workers: int,
+        resources_per_worker: dict[str, float],
+        storage: Path,
+        first_command: int = 0,
+        max_failures: int = 3,
+    ) -> None:
+        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+
+        from actors.train_channel import TrainChannel
+
+        self.channel = TrainChannel.options(name=setup["channel"], namespace=NAMESPACE).remote(first_command)
+        self.workers = workers
+        self._trainer = TorchTrainer(
+            train_worker,
+            train_loop_config=setup | {"checkpoints": str(checkpoints_dir(storage))},
+            scaling_config=ScalingConfig(
+                num_workers=workers,
+                use_gpu=resources_per_worker.get("GPU", 0) > 0,
+                resources_per_worker=resources_per_worker,
+            ),
+            run_config=RunConfig(
+                name=CHECKPOINTS,  # so Ray Train's checkpoints land in the run's checkpoints_dir
+                storage_path=str(storage),
+                failure_config=FailureConfig(max_failures=max_failures),
+                checkpoint_config=CheckpointConfig(num_to_keep=3),
+            ),
+        )
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._fit, name="ray-train-fit", daemon=True)
+        self._thread.start()
+
+    def _fit(self) -> None:
+        try:
+            self._trainer.fit()
+        except BaseException as err:  # surfaced by step()
+            self.error = err
+
+    def step(
+        self,
+        records: list[dict],
+        advantages: list[float],
+        version: int,
+        normaliser: float,
+        save: bool = False,
+        driver_state: dict | None = None,
+        timeout_s: float = 3600,
+    ) -> dict:
+        """One optimizer step (or ``updates_per_batch``) on every worker; rank 0's metrics."""
+        command = {
+            "op": "step",
+            "batch": [ray.put((records, advantages))],
+            "version": version,
+            "normaliser": normaliser,
+            "save": save,
+            "driver_state": driver_state,
+        }
+        index = ray.get(self.channel.submit.remote(command))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.error is not None:
+                raise RuntimeError(f"the trainer workers failed: {self.error}") from self.error
+            results = ray.get(self.channel.wait.remote(index, self.workers, 5.0))
+            if results is not None:
+                if save:  # the checkpoint covers every command so far: let their batches go
+                    ray.get(self.channel.forget_below.remote(index + 1))
+                return results[0]
+        raise TimeoutError(f"training step {index} did not finish within {timeout_s} s")
+
+    def stop(self, timeout_s: float = 120) -> None:
+        ray.get(self.channel.submit.remote({"op": "stop"}))
+        self._thread.join(timeout_s)

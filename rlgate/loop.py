@@ -3,8 +3,8 @@
 * :func:`collect`: read saved trajectories and wait for a batch of whole groups.
 * :func:`score`: group-relative advantages (partial groups over the batch).
 * :func:`normaliser`: the loss denominator over the whole batch, for every worker.
-* :class:`Trainer`: Ray Train's ``TorchTrainer`` running ``actors.trainer.train_worker``
-  in a thread, driven one command at a time through the run's TrainChannel.
+
+The Ray Train workers that take the batches are ``actors.trainer.TrainerWorkers``.
 """
 
 from __future__ import annotations
@@ -12,14 +12,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from pathlib import Path
 
 import ray
 import torch
 
 from rlgate.batching import Batch, GroupBuffer
 from rlgate.grpo import group_advantages
-from rlgate.run import CHECKPOINTS, NAMESPACE, checkpoints_dir
 
 logger = logging.getLogger(__name__)
 
@@ -101,84 +99,3 @@ def normaliser(records: list[dict], version: int, max_staleness: int, aggregatio
         return float(len(records) * (max(len(r["input_ids"]) for r in records) - 1))
     oldest = version - max_staleness
     return float(max(1, sum(m and v >= oldest for r in records for m, v in zip(r["loss_mask"][1:], r["versions"][1:]))))
-
-
-class Trainer:
-    """Ray Train workers behind a synchronous ``step`` call."""
-
-    def __init__(
-        self,
-        setup: dict,
-        workers: int,
-        resources_per_worker: dict[str, float],
-        storage: Path,
-        first_command: int = 0,
-        max_failures: int = 3,
-    ) -> None:
-        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-        from ray.train.torch import TorchTrainer
-
-        from actors.train_channel import TrainChannel
-        from actors.trainer import train_worker
-
-        self.channel = TrainChannel.options(name=setup["channel"], namespace=NAMESPACE).remote(first_command)
-        self.workers = workers
-        self._trainer = TorchTrainer(
-            train_worker,
-            train_loop_config=setup | {"checkpoints": str(checkpoints_dir(storage))},
-            scaling_config=ScalingConfig(
-                num_workers=workers,
-                use_gpu=resources_per_worker.get("GPU", 0) > 0,
-                resources_per_worker=resources_per_worker,
-            ),
-            run_config=RunConfig(
-                name=CHECKPOINTS,  # so Ray Train's checkpoints land in the run's checkpoints_dir
-                storage_path=str(storage),
-                failure_config=FailureConfig(max_failures=max_failures),
-                checkpoint_config=CheckpointConfig(num_to_keep=3),
-            ),
-        )
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._fit, name="ray-train-fit", daemon=True)
-        self._thread.start()
-
-    def _fit(self) -> None:
-        try:
-            self._trainer.fit()
-        except BaseException as err:  # surfaced by step()
-            self.error = err
-
-    def step(
-        self,
-        records: list[dict],
-        advantages: list[float],
-        version: int,
-        normaliser: float,
-        save: bool = False,
-        driver_state: dict | None = None,
-        timeout_s: float = 3600,
-    ) -> dict:
-        """One optimizer step (or ``updates_per_batch``) on every worker; rank 0's metrics."""
-        command = {
-            "op": "step",
-            "batch": [ray.put((records, advantages))],
-            "version": version,
-            "normaliser": normaliser,
-            "save": save,
-            "driver_state": driver_state,
-        }
-        index = ray.get(self.channel.submit.remote(command))
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.error is not None:
-                raise RuntimeError(f"the trainer workers failed: {self.error}") from self.error
-            results = ray.get(self.channel.wait.remote(index, self.workers, 5.0))
-            if results is not None:
-                if save:  # the checkpoint covers every command so far: let their batches go
-                    ray.get(self.channel.forget_below.remote(index + 1))
-                return results[0]
-        raise TimeoutError(f"training step {index} did not finish within {timeout_s} s")
-
-    def stop(self, timeout_s: float = 120) -> None:
-        ray.get(self.channel.submit.remote({"op": "stop"}))
-        self._thread.join(timeout_s)
