@@ -9,7 +9,7 @@ Shapes: ``B`` sequences, ``T`` tokens per (padded) sequence.
   then :func:`aggregate` over tokens and sequences, optionally plus a k3 KL
   to a frozen reference.
 
-Aggregation takes an explicit ``normalizer`` so a batch split across
+Aggregation takes an explicit ``normaliser`` so a batch split across
 data-parallel workers sums to exactly the full-batch loss: every worker
 divides by the *global* token (or sequence) count.
 """
@@ -163,8 +163,25 @@ POLICY_LOSSES: dict[str, Callable[[PolicyBatch, LossConfig], tuple[torch.Tensor,
 }
 
 
+def denominator(mode: Aggregation, sequences: int, tokens: float, width: int) -> float:
+    """The loss denominator that makes :func:`aggregate` a mean over a batch of
+    ``sequences`` rows, ``width`` positions wide, holding ``tokens`` trained
+    tokens: the one definition, for a micro-batch, a worker's share and the
+    driver's whole batch alike (token count, sequence count, or width times
+    sequence count)."""
+    if mode == "token_mean":
+        return float(max(tokens, 1))
+    if mode == "seq_mean_token_mean":
+        return float(sequences)
+    if mode == "seq_mean_token_sum_norm":
+        return float(sequences * width)
+    raise ValueError(
+        f"unknown aggregation {mode!r}; expected token_mean, seq_mean_token_mean or seq_mean_token_sum_norm"
+    )
+
+
 def aggregate(
-    per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation, normalizer: float | None = None
+    per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation, normaliser: float | None = None
 ) -> torch.Tensor:
     """Reduce a [B, T] per-token quantity to a scalar.
 
@@ -172,22 +189,16 @@ def aggregate(
     * ``seq_mean_token_mean``: mean over tokens within each sequence, then over sequences (GRPO's original).
     * ``seq_mean_token_sum_norm``: sum over tokens / (T * number of sequences), Dr.GRPO's constant normaliser.
 
-    ``normalizer`` replaces the denominator that makes the result a mean over
-    *this* batch (token count, sequence count, or T * sequence count): pass the
-    global figure when a batch is split across workers or micro-batches.
+    ``normaliser`` replaces the :func:`denominator` of *this* batch: pass the
+    whole batch's when a batch is split across workers or micro-batches.
     """
     mask = mask.to(per_token.dtype)
+    if normaliser is None:
+        normaliser = denominator(mode, per_token.shape[0], float(mask.sum()), per_token.shape[1])
     masked = per_token * mask
-    if mode == "token_mean":
-        return masked.sum() / (normalizer if normalizer is not None else mask.sum().clamp(min=1))
     if mode == "seq_mean_token_mean":
-        per_sequence = masked.sum(-1) / mask.sum(-1).clamp(min=1)
-        return per_sequence.sum() / (normalizer if normalizer is not None else per_token.shape[0])
-    if mode == "seq_mean_token_sum_norm":
-        return masked.sum() / (normalizer if normalizer is not None else per_token.shape[0] * per_token.shape[1])
-    raise ValueError(
-        f"unknown aggregation {mode!r}; expected token_mean, seq_mean_token_mean or seq_mean_token_sum_norm"
-    )
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / normaliser
+    return masked.sum() / normaliser
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -197,7 +208,7 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def policy_loss(
-    batch: PolicyBatch, cfg: LossConfig, variant: str = "ppo_clip", normalizer: float | None = None
+    batch: PolicyBatch, cfg: LossConfig, variant: str = "ppo_clip", normaliser: float | None = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The scalar loss of ``variant`` (see ``POLICY_LOSSES``) and its metrics."""
     if variant not in POLICY_LOSSES:
@@ -215,7 +226,7 @@ def policy_loss(
         per_token = per_token - cfg.entropy_coef * batch.entropy
     if batch.entropy is not None:
         extras["entropy"] = batch.entropy.detach()
-    loss = aggregate(per_token, batch.mask, cfg.aggregation, normalizer)
+    loss = aggregate(per_token, batch.mask, cfg.aggregation, normaliser)
     mask = batch.mask.to(per_token.dtype)
     tokens = mask.sum().clamp(min=1)
     metrics = {name: float((value * mask).sum() / tokens) for name, value in extras.items()}

@@ -17,7 +17,7 @@ import ray
 import torch
 
 from rlgate.batching import Batch, GroupBuffer
-from rlgate.grpo import group_advantages
+from rlgate.grpo import denominator, group_advantages
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +92,8 @@ def score(batch: Batch, estimator: str) -> tuple[list[dict], list[float]]:
 
 
 def normaliser(records: list[dict], version: int, max_staleness: int, aggregation: str) -> float:
-    """The aggregation's denominator over the whole batch, after stale tokens are dropped."""
-    if aggregation == "seq_mean_token_mean":
-        return float(len(records))
-    if aggregation == "seq_mean_token_sum_norm":
-        return float(len(records) * (max(len(r["input_ids"]) for r in records) - 1))
+    """:func:`rlgate.grpo.denominator` over the whole batch, stale tokens dropped,
+    for every worker's share of it."""
     oldest = version - max_staleness
-    return float(max(1, sum(m and v >= oldest for r in records for m, v in zip(r["loss_mask"][1:], r["versions"][1:]))))
+    fresh = sum(m and v >= oldest for r in records for m, v in zip(r["loss_mask"][1:], r["versions"][1:]))
+    return denominator(aggregation, len(records), fresh, max(len(r["input_ids"]) for r in records) - 1)

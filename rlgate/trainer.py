@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlgate.grpo import LossConfig, PolicyBatch, policy_loss
+from rlgate.grpo import LossConfig, PolicyBatch, denominator, policy_loss
 
 
 @dataclass
@@ -94,15 +94,6 @@ class StepSettings:
     max_grad_norm: float = 1.0
 
 
-def normaliser(mask: torch.Tensor, aggregation: str) -> float:
-    """The denominator that makes the aggregated loss a mean over this whole batch."""
-    if aggregation == "token_mean":
-        return float(mask.sum().clamp(min=1))
-    if aggregation == "seq_mean_token_mean":
-        return float(mask.shape[0])
-    return float(mask.shape[0] * mask.shape[1])
-
-
 class PolicyTrainer:
     """Owns a model and its optimizer; ``step`` is one GRPO update."""
 
@@ -134,7 +125,7 @@ class PolicyTrainer:
             reference = token_logprobs(self.reference, batch) if self.reference is not None else None
         current = (batch.versions == version) & (mask > 0)
         mismatch = (proximal - batch.behaviour_logp).abs()[current]
-        denominator = global_normaliser or normaliser(mask, s.loss.aggregation)
+        whole = global_normaliser or denominator(s.loss.aggregation, mask.shape[0], float(mask.sum()), mask.shape[1])
         self.model.train()
         metrics: dict[str, float] = {}
         losses = []
@@ -159,7 +150,7 @@ class PolicyTrainer:
                     ),
                     s.loss,
                     s.variety_loss,
-                    normalizer=denominator,
+                    normaliser=whole,
                 )
                 (loss * scale).backward()
                 total += loss.item()

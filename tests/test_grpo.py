@@ -163,7 +163,7 @@ def test_a_batch_split_across_workers_sums_to_the_full_loss_and_gradient(mode, v
     full, _ = policy_loss(PolicyBatch(logp, old, advantages, mask, behaviour), cfg, variant)
     (full_grad,) = torch.autograd.grad(full, logp)
     # the global normaliser every worker uses
-    normalizer = {"token_mean": mask.sum(), "seq_mean_token_mean": rows, "seq_mean_token_sum_norm": rows * width}[mode]
+    normaliser = {"token_mean": mask.sum(), "seq_mean_token_mean": rows, "seq_mean_token_sum_norm": rows * width}[mode]
     parts, grads = [], []
     for part in (slice(0, 3), slice(3, 8)):  # uneven split, as across data-parallel ranks
         piece = logp.detach()[part].clone().requires_grad_(True)
@@ -171,7 +171,7 @@ def test_a_batch_split_across_workers_sums_to_the_full_loss_and_gradient(mode, v
             PolicyBatch(piece, old[part], advantages[part], mask[part], behaviour[part]),
             cfg,
             variant,
-            normalizer=float(normalizer),
+            normaliser=float(normaliser),
         )
         parts.append(loss)
         grads.append(torch.autograd.grad(loss, piece)[0])

@@ -1,4 +1,4 @@
-"""The driver's calls to actors that restart in place (no Ray: the call is faked)."""
+"""The driver's loop, without Ray: calls to actors that restart in place (faked), advantages and the loss normaliser."""
 
 from __future__ import annotations
 
@@ -31,3 +31,45 @@ def test_an_actor_that_never_comes_back_is_an_error_in_the_end(monkeypatch):
 
     with pytest.raises(ray.exceptions.RayActorError):
         loop.surviving(call, "a read", within_s=0.0)
+
+
+def record(session: str, reward: float, tokens: int, versions: list[int] | None = None) -> dict:
+    """A saved trajectory record: a prompt token then ``tokens`` sampled ones."""
+    return {
+        "session_id": session,
+        "reward": reward,
+        "input_ids": list(range(tokens + 1)),
+        "loss_mask": [0] + [1] * tokens,
+        "versions": [0] + (versions or [0] * tokens),
+    }
+
+
+def test_score_compares_within_whole_groups_and_over_the_batch_for_partial_ones():
+    from rlgate.batching import Batch, Group
+
+    whole = Group("t", 2, sessions={"a": [record("a", 1.0, 2)], "b": [record("b", 0.0, 2)]})
+    short = Group("u", 2, sessions={"c": [record("c", 1.0, 2)]})  # timed out with one of two
+    records, advantages = loop.score(Batch([whole], [short]), "grpo")
+    by_session = dict(zip([r["session_id"] for r in records], advantages))
+    assert by_session["a"] > 0 > by_session["b"]
+    assert by_session["a"] == pytest.approx(-by_session["b"], abs=1e-9)  # within its group: symmetric
+    assert by_session["c"] > 0  # over the batch: above the batch mean of 2/3
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_the_drivers_normaliser_is_the_trainers_denominator_over_the_whole_batch(aggregation):
+    """The driver computes it once for every worker's share: it must equal what the
+    trainer computes over the whole batch's mask, with stale tokens dropped."""
+    import torch
+
+    from rlgate.grpo import denominator
+
+    records = [record("a", 1.0, 3, [4, 4, 5]), record("b", 0.0, 5, [5] * 5)]  # version 4 is stale at 6, S=1
+    width = max(len(r["input_ids"]) for r in records) - 1
+    mask = torch.zeros(len(records), width)
+    for row, r in enumerate(records):
+        for column, (m, v) in enumerate(zip(r["loss_mask"][1:], r["versions"][1:])):
+            mask[row, column] = float(m and v >= 5)
+    expected = denominator(aggregation, mask.shape[0], float(mask.sum()), mask.shape[1])
+    assert loop.normaliser(records, version=6, max_staleness=1, aggregation=aggregation) == expected
+    assert {"token_mean": 6.0, "seq_mean_token_mean": 2.0, "seq_mean_token_sum_norm": 10.0}[aggregation] == expected
