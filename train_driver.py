@@ -21,6 +21,8 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -53,6 +55,55 @@ from serve_app import AdminKey, admin_key, build_app, resolve_model
 
 
 def main() -> int:
+    args = parse_args()
+    config = configured(args)
+    run_dir = Path(config.gateway.run_dir, config.gateway.run_name).resolve()
+    start = resume_point(run_dir, args.resume)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(config, run_dir / "config.toml")  # the settings this run (or resumption) used
+    if start.weights is not None:  # engines start on the checkpoint's weights
+        config.model.name = str(start.weights)
+    if start.buffer is None:  # a fresh run trains on episodes that finish from now on, the first included
+        start.buffer = {"watermark": last_seq(run_dir / "trajectories"), "done_above": []}
+    ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE)
+    # before anything starts: a bad task app fails the run at once
+    task_app = check_task_app(config, task_app_key(args.job_manager, config.gateway.run_name))
+    signal.signal(signal.SIGTERM, interrupted)  # after ray.init, which sets its own: `ray job stop` acts as Ctrl-C
+    gpus = trainer_gpus(config)
+    wait_until_placeable(config, gpus, run_dir)
+    if not args.resume:
+        forget_earlier_run(config.gateway.run_name, run_dir)
+    url, key = serve_gateway(config, start.version, private=args.job_manager is not None)
+    trainer = start_trainer(config, gpus, run_dir, start.first_command)
+    stopping = threading.Event()
+    episodes = start_episodes(config, url, key, stopping, task_app)
+    log = RunLog(run_dir, config.training.total_steps, start.step)
+    progress = Progress(start.step, start.version)
+    try:
+        train(
+            config,
+            start.buffer,
+            progress,
+            trainer,
+            stopping,
+            log,
+            partial(evaluation, config, url=url, key=key, task_app=task_app),
+        )
+    except KeyboardInterrupt:
+        print("rlgate: interrupted; writing the reward curve", file=sys.stderr)
+    finally:
+        stopping.set()
+        if episodes is not None:
+            episodes.stop()
+        trainer.stop()
+        finish(config, log, progress)
+    if episodes is not None and episodes.stats.fatal is not None:
+        print(f"rlgate: stopped: the environment is down: {episodes.stats.fatal}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Train a policy with GRPO from live sessions.")
     parser.add_argument("--config", required=True)
     parser.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
@@ -65,7 +116,11 @@ def main() -> int:
         help="run as an RL job of this JobManager actor (it sets this): take the task app's key from it, "
         "and keep the gateway's admin key to this process",
     )
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def configured(args: argparse.Namespace) -> RLGateConfig:
+    """The run's config: the file, then the command line's overrides."""
     try:
         config = load_config(args.config)
         if args.run_name is not None:
@@ -78,110 +133,103 @@ def main() -> int:
             config.model.name = args.model
     except (ConfigError, ValidationError) as err:
         raise SystemExit(f"rlgate: {err}") from None
-    run_dir = Path(config.gateway.run_dir, config.gateway.run_name).resolve()
-    training, algorithm = config.training, config.algorithm.resolved(config.training.max_staleness)
-    step, version, buffer_state, weights, first_command = resume_point(run_dir, args.resume)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    dump_config(config, run_dir / "config.toml")  # the settings this run (or resumption) used
-    if weights is not None:  # engines start on the checkpoint's weights
-        config.model.name = str(weights)
+    return config
 
-    if buffer_state is None:  # a fresh run trains on episodes that finish from now on, the first included
-        buffer_state = {"watermark": last_seq(run_dir / "trajectories"), "done_above": []}
-    ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE)
-    # before anything starts: a bad task app fails the run at once
-    task_app = check_task_app(config, task_app_key(args.job_manager, config.gateway.run_name))
-    signal.signal(signal.SIGTERM, interrupted)  # after ray.init, which sets its own: `ray job stop` acts as Ctrl-C
-    run = config.gateway.run_name
-    gpus = trainer_gpus(config)
+
+def wait_until_placeable(config: RLGateConfig, gpus: float, run_dir: Path) -> None:
+    """Fail now if the cluster can never hold the run; while it is busy, wait,
+    saying why (a job's status shows waiting.json)."""
     bundles = plan(config, gpus)
-    problem = unplaceable(bundles, cluster_nodes(len(bundles)))  # fail now, not wait forever for resources
+    problem = unplaceable(bundles, cluster_nodes(len(bundles)))
     if problem:
         raise SystemExit(f"rlgate: {problem}")
-    try:  # it could run, but the cluster is busy: say why it waits (a job's status shows waiting.json)
+    try:
         wait_for_room(bundles, config.jobs.start_timeout_s, lambda reason: note_waiting(run_dir, reason))
     except RuntimeError as err:
         raise SystemExit(f"rlgate: {err}") from None
-    if not args.resume:
-        forget_earlier_run(run, run_dir)
-    url, key = serve_gateway(config, version, private=args.job_manager is not None)
+
+
+def start_trainer(config: RLGateConfig, gpus: float, run_dir: Path, first_command: int) -> TrainerWorkers:
+    run = config.gateway.run_name
+    setup = {
+        "settings": config.model_dump(),
+        "model_path": resolve_model(config),
+        "channel": actor_name(run, "train"),
+        "policy": actor_name(run, "policy"),
+    }
+    return TrainerWorkers(
+        setup,
+        config.compute.trainer_workers,
+        worker_bundle(config, gpus).as_ray(),  # [compute] placement = "split" adds rlgate_trainer
+        storage=run_dir,
+        first_command=first_command,
+        max_failures=config.training.max_failures,
+    )
+
+
+@dataclass
+class Progress:
+    step: int  # the last step trained
+    version: int  # the policy version the engines serve
+
+
+def train(config: RLGateConfig, buffer_state: dict, progress: Progress, trainer, stopping, log: RunLog, evaluate_at):
+    """The loop: whole groups of finished episodes → advantages → an optimizer
+    step → every engine serves the new version → the CapacityActor admits the
+    next sessions → a line in the log (and ``evaluate_at(step)``'s figures)."""
+    training, algorithm = config.training, config.algorithm.resolved(config.training.max_staleness)
+    run = config.gateway.run_name
     trajectories, capacity, policy = (get_actor(run, role) for role in ("trajectories", "capacity", "policy"))
-    buffer_settings = dict(
+    buffer = GroupBuffer.restore(
+        buffer_state,
         batch_size=training.batch_size,
         group_size=training.group_size,
         group_timeout_s=training.group_timeout_s,
         partial_groups=training.partial_groups,
         drop_equal_reward_groups=algorithm["drop_equal_reward_groups"],
     )
-    buffer = GroupBuffer.restore(buffer_state, **buffer_settings)
-    trainer = TrainerWorkers(
-        {
-            "settings": config.model_dump(),
-            "model_path": resolve_model(config),
-            "channel": actor_name(run, "train"),
-            "policy": actor_name(run, "policy"),
-        },
-        config.compute.trainer_workers,
-        worker_bundle(config, gpus).as_ray(),  # [compute] placement = "split" adds rlgate_trainer
-        storage=run_dir,
-        first_command=first_command,
-        max_failures=training.max_failures,
-    )
+    step, version = progress.step, progress.version
     surviving(lambda: capacity.on_new_version.remote(version), "the policy version")  # a resumed run: its own
     rule = (training.batch_size, training.max_staleness, training.group_size, training.group_timeout_s)
     surviving(lambda: capacity.grant.remote(*rule), "the staleness rule")
-    stopping = threading.Event()
-    episodes = start_episodes(config, url, key, stopping, task_app)
-    log = RunLog(run_dir, training.total_steps, step)
-    try:
-        while step < training.total_steps:
-            waited = time.monotonic()
-            # whole groups of finished episodes that the current policy may train on
-            batch = collect(buffer, trajectories, capacity, stopping, version, training.max_staleness)
-            if batch is None:  # the environment stayed down
-                break
-            records, advantages = score(batch, algorithm["advantage"])  # group-relative advantages
-            started = time.monotonic()
-            step += 1
-            metrics = trainer.step(  # optimizer step(s) on the Ray Train workers
-                records,
-                advantages,
-                version,
-                normaliser(records, version, training.max_staleness, algorithm["aggregation"]),
-                save=save_due(step, training),
-                driver_state={"step": step, "buffer": buffer.state()},
-            )
-            version += 1
-            synced = time.monotonic()
-            served(policy, version, config.rollout.replicas)  # every engine serves v + 1
-            surviving(lambda v=version: capacity.on_new_version.remote(v), "the new version")  # admit the next sessions
-            log.log(
-                step,
-                summarise(records, metrics, version, buffer, started, synced)
-                | {"collect_s": started - waited}
-                | evaluation(config, step, url, key, task_app),  # held-out seeds, every [evaluation] every_n_iters
-            )
-            log.batch(step, [r["seq"] for r in records])
-    except KeyboardInterrupt:
-        print("rlgate: interrupted; writing the reward curve", file=sys.stderr)
-    finally:
-        stopping.set()
-        if episodes is not None:
-            episodes.stop()
-        trainer.stop()
-        log.close()
-        plot = log.plot()
-        print(
-            f"rlgate: {step} steps, policy version {version}; metrics in {log.path}"
-            + (f", reward curve {plot}" if plot else "")
+    while step < training.total_steps:
+        waited = time.monotonic()
+        # whole groups of finished episodes that the current policy may train on
+        batch = collect(buffer, trajectories, capacity, stopping, version, training.max_staleness)
+        if batch is None:  # the environment stayed down
+            return
+        records, advantages = score(batch, algorithm["advantage"])  # group-relative advantages
+        started = time.monotonic()
+        step += 1
+        metrics = trainer.step(  # optimizer step(s) on the Ray Train workers
+            records,
+            advantages,
+            version,
+            normaliser(records, version, training.max_staleness, algorithm["aggregation"]),
+            save=save_due(step, training),
+            driver_state={"step": step, "buffer": buffer.state()},
         )
-        serve.delete(app_name(config.gateway.run_name, config.gateway.route_prefix))
-        if not serve.status().applications:  # nothing else is served here
-            serve.shutdown()
-    if episodes is not None and episodes.stats.fatal is not None:
-        print(f"rlgate: stopped: the environment is down: {episodes.stats.fatal}", file=sys.stderr)
-        return 1
-    return 0
+        version += 1
+        synced = time.monotonic()
+        served(policy, version, config.rollout.replicas)  # every engine serves v + 1
+        surviving(lambda v=version: capacity.on_new_version.remote(v), "the new version")  # admit the next sessions
+        summary = summarise(records, metrics, version, buffer, started, synced) | {"collect_s": started - waited}
+        log.log(step, summary | evaluate_at(step))  # held-out seeds, every [evaluation] every_n_iters
+        log.batch(step, [r["seq"] for r in records])
+        progress.step, progress.version = step, version
+
+
+def finish(config: RLGateConfig, log: RunLog, progress: Progress) -> None:
+    """The log closed, the curve drawn, the run's application deleted (and Serve, if nothing else is served)."""
+    log.close()
+    plot = log.plot()
+    print(
+        f"rlgate: {progress.step} steps, policy version {progress.version}; metrics in {log.path}"
+        + (f", reward curve {plot}" if plot else "")
+    )
+    serve.delete(app_name(config.gateway.run_name, config.gateway.route_prefix))
+    if not serve.status().applications:  # nothing else is served here
+        serve.shutdown()
 
 
 def interrupted(*_) -> None:
@@ -307,9 +355,19 @@ def evaluation(config: RLGateConfig, step: int, url: str, key: str, task_app: Ta
         return {"eval_reward_mean": None, "eval_episodes": 0, "eval_failed": len(seeds)}
 
 
-def resume_point(run_dir: Path, resume: bool) -> tuple[int, int, dict | None, Path | None, int]:
-    """(step, version, GroupBuffer state, model folder, next trainer command) of the
-    latest checkpoint, or a fresh start."""
+@dataclass
+class ResumePoint:
+    """Where a run starts: the latest checkpoint's step, policy version, GroupBuffer
+    state, model folder and next trainer command, or a fresh start."""
+
+    step: int = 0
+    version: int = 0
+    buffer: dict | None = None
+    weights: Path | None = None
+    first_command: int = 0
+
+
+def resume_point(run_dir: Path, resume: bool) -> ResumePoint:
     found = checkpoint_states(checkpoints_dir(run_dir))
     if not resume:
         if found:
@@ -317,12 +375,12 @@ def resume_point(run_dir: Path, resume: bool) -> tuple[int, int, dict | None, Pa
                 f"rlgate: {run_dir} already has checkpoints; pass --resume to continue it, "
                 "or set another [gateway] run_name"
             )
-        return 0, 0, None, None, 0
+        return ResumePoint()
     if not found:
         raise SystemExit(f"rlgate: --resume, but {run_dir} has no checkpoint")
     folder, state = max(found.items(), key=lambda item: item[1]["next_command"])
     driver = state["driver"]
-    return driver["step"], state["version"], driver["buffer"], folder / "model", state["next_command"]
+    return ResumePoint(driver["step"], state["version"], driver["buffer"], folder / "model", state["next_command"])
 
 
 def forget_earlier_run(run: str, run_dir: Path) -> None:
