@@ -66,6 +66,35 @@ async def proxy_host() -> str:
     return (await controller.get_http_config.remote()).host
 
 
+def run_stores(gateway):
+    """The run's CapacityActor and TrajectoryStore, made by the first replica to ask."""
+    capacity_log = str(Path(gateway.run_dir) / "capacity.jsonl")
+    capacity = get_or_create_capacity(
+        actor_name(gateway.run_name, "capacity"), NAMESPACE, gateway.max_concurrent, capacity_log
+    )
+    trajectories = TrajectoryStore.options(
+        name=actor_name(gateway.run_name, "trajectories"), namespace=NAMESPACE, lifetime="detached", get_if_exists=True
+    ).remote(gateway.run_dir)
+    return capacity, trajectories
+
+
+def session_store(gateway, capacity, trajectories):
+    """The run's SessionStore (the split shape: sessions apart from the Gateway replicas)."""
+    return SessionStore.options(
+        name=actor_name(gateway.run_name, "sessions"), namespace=NAMESPACE, lifetime="detached", get_if_exists=True
+    ).remote(capacity, trajectories, gateway.model_dump())
+
+
+def job_manager(settings: RLGateConfig):
+    """The application's JobManager (made on the first job call): it runs jobs
+    under this gateway's [jobs] rules (which task apps they may call, ...)."""
+    gateway = settings.gateway
+    where = {"host": gateway.host, "port": gateway.port}
+    jobs_dir = str(Path(gateway.run_dir).parent / "jobs")
+    rules = settings.jobs.model_dump()
+    return get_or_create_job_manager(gateway.run_name, jobs_dir, where, gateway.max_running_jobs, rules)
+
+
 @serve.deployment(name="Gateway", max_ongoing_requests=2048, health_check_period_s=10, health_check_timeout_s=60)
 @serve.ingress()  # the app is built in the replica, by __serve_build_asgi_app__
 class Gateway:
@@ -94,54 +123,14 @@ class Gateway:
         refuse_public_bind(await proxy_host(), key_fit_for_public)
         if gateway.direct_port is not None:  # its own listener binds [gateway] host
             refuse_public_bind(gateway.host, key_fit_for_public)
-
-        run = gateway.run_name
-        capacity = get_or_create_capacity(
-            actor_name(run, "capacity"),
-            NAMESPACE,
-            gateway.max_concurrent,
-            str(Path(gateway.run_dir) / "capacity.jsonl"),
-        )
-        trajectories = TrajectoryStore.options(
-            name=actor_name(run, "trajectories"), namespace=NAMESPACE, lifetime="detached", get_if_exists=True
-        ).remote(gateway.run_dir)
-        self.engine, self.follower, self.request_log = None, None, RequestLog(0)
-        replica = serve.get_replica_context()
-        self.slot, peers = None, None
+        capacity, trajectories = run_stores(gateway)
+        self.engine, self.follower, self.request_log, self.slot, peers = None, None, RequestLog(0), None, None
         if gateway.colocate:
-            self.slot = Slot(replica.rank.rank, settings.rollout.replicas)
-            if self.slot.replicas > 1:
-                handle = partial(serve.get_deployment_handle, "Gateway", app_name=replica.app_name)
-                peers = Peers(handle, self.slot)
-            self.engine = make_engine(model_path, settings.rollout, settings.model.dtype, initial_version)
-            await self.engine.ready()
-            policy = get_or_create_policy_store(
-                actor_name(run, "policy"), NAMESPACE, initial_version, str(Path(gateway.run_dir) / "policy.json")
+            engine, sessions, peers = await self._colocate(
+                settings, model_path, initial_version, deployment, capacity, trajectories
             )
-            self.follower = PolicyFollower(self.engine, policy, replica.replica_id.unique_id)
-            await self.follower.start()  # serve the current policy before taking traffic
-            self.request_log = RequestLog(settings.rollout.request_log_size)
-            engine = LocalEngine(self.engine, self.request_log)
-            folder = Path(gateway.run_dir) / "sessions"
-            if self.slot.index:
-                folder /= f"replica-{self.slot.index}"
-            journal, resume = claim_journal(folder, deployment)
-            holder = f"gateway-{self.slot.index}"  # its sessions, counted apart from other replicas
-            sessions = owned_sessions(capacity, trajectories, gateway.model_dump(), journal, resume, holder)
         else:
-            engine = EngineClient(rollout)
-            sessions = SessionClient(
-                SessionStore.options(
-                    name=actor_name(run, "sessions"), namespace=NAMESPACE, lifetime="detached", get_if_exists=True
-                ).remote(capacity, trajectories, gateway.model_dump())
-            )
-
-        def job_manager():
-            where = {"host": gateway.host, "port": gateway.port}
-            jobs_dir = str(Path(gateway.run_dir).parent / "jobs")
-            rules = settings.jobs.model_dump()  # which task apps jobs may call, ...: this gateway's operator says
-            return get_or_create_job_manager(gateway.run_name, jobs_dir, where, gateway.max_running_jobs, rules)
-
+            engine, sessions = EngineClient(rollout), SessionClient(session_store(gateway, capacity, trajectories))
         self.sessions = sessions
         self.service = GatewayService(
             settings,
@@ -150,7 +139,7 @@ class Gateway:
             sessions,
             engine,
             StoreClient(capacity, trajectories),
-            JobsClient(job_manager),
+            JobsClient(partial(job_manager, settings)),
             peers,
         )
         self.metrics = Metrics(gateway.run_name)
@@ -160,6 +149,32 @@ class Gateway:
             direct = InFlightLimit(build_app(self.service, self.metrics), rollout_limits)
             port = gateway.direct_port + (self.slot.index if self.slot is not None else 0)
             self.listener = Listener(direct, bind(gateway.host, port))
+
+    async def _colocate(self, settings, model_path: str, initial_version: int, deployment: str, capacity, trajectories):
+        """This replica's own engine (following the run's PolicyStore) and its own
+        sessions (journaled by slot): (engine client, sessions, peers)."""
+        gateway, replica = settings.gateway, serve.get_replica_context()
+        self.slot, peers = Slot(replica.rank.rank, settings.rollout.replicas), None
+        if self.slot.replicas > 1:
+            peers = Peers(partial(serve.get_deployment_handle, "Gateway", app_name=replica.app_name), self.slot)
+        self.engine = make_engine(model_path, settings.rollout, settings.model.dtype, initial_version)
+        await self.engine.ready()
+        policy = get_or_create_policy_store(
+            actor_name(gateway.run_name, "policy"),
+            NAMESPACE,
+            initial_version,
+            str(Path(gateway.run_dir) / "policy.json"),
+        )
+        self.follower = PolicyFollower(self.engine, policy, replica.replica_id.unique_id)
+        await self.follower.start()  # serve the current policy before taking traffic
+        self.request_log = RequestLog(settings.rollout.request_log_size)
+        folder = Path(gateway.run_dir) / "sessions"
+        if self.slot.index:
+            folder /= f"replica-{self.slot.index}"
+        journal, resume = claim_journal(folder, deployment)
+        holder = f"gateway-{self.slot.index}"  # its sessions, counted apart from other replicas
+        sessions = owned_sessions(capacity, trajectories, gateway.model_dump(), journal, resume, holder)
+        return LocalEngine(self.engine, self.request_log), sessions, peers
 
     def __serve_build_asgi_app__(self):
         return build_app(self.service, self.metrics)
