@@ -177,6 +177,31 @@ class JobManager:
         if idempotency_key and idempotency_key in self.idempotency:
             job = self.jobs[self.idempotency[idempotency_key]]
             return jobs.JobCreated(job_id=job.job_id, status=job.status).model_dump()
+        request, config, ignored = await self._vetted(body)
+        job_id = "job-" + secrets.token_hex(6)
+        key = new_key("rlg-job-")
+        self._folder(job_id).mkdir(parents=True)
+        if request.task_app_api_key:  # in memory only, until the job's driver takes it
+            self.task_app_keys[job_id] = request.task_app_api_key
+            self.keyed.add(job_id)
+        gateway = config.gateway
+        gateway.run_name, gateway.run_dir = job_id, str(self._run_dir(job_id).parent)
+        gateway.host, gateway.port, gateway.route_prefix = self.gateway["host"], self.gateway["port"], job_route(job_id)
+        gateway.access_log = False  # a line per request would bury the job's log
+        config.tags = {**config.tags, **{str(k): str(v) for k, v in request.tags.items()}}
+        dump_config(config, self._folder(job_id) / "config.toml")
+        self._record(job_id, key, config, request.metadata, idempotency_key)
+        if ignored:  # synth-ai keys that change nothing here, each named once
+            names = ", ".join(item.split(":", 1)[0] for item in ignored)
+            message = f"config keys that change nothing here: {names}"
+            self._event(job_id, "rl.config.ignored", message, {"keys": ignored})
+        await self._start_queued()
+        return jobs.JobCreated(job_id=job_id, status=self.jobs[job_id].status, api_key=key).model_dump()
+
+    async def _vetted(self, body: dict):
+        """(request, config, ignored keys) of a job this gateway takes; SessionError
+        422 says what is wrong: the request, its config, the task app's host, or a
+        resource the cluster can never provide."""
         try:
             request = jobs.JobRequest.model_validate(body)
             config, ignored = jobs.job_plan(request)
@@ -201,24 +226,16 @@ class JobManager:
         problem = unplaceable(bundles, cluster_nodes(len(bundles)))  # nodes alive or the autoscaler may add
         if problem:
             raise SessionError(422, problem)
-        job_id = "job-" + secrets.token_hex(6)
-        key = new_key("rlg-job-")
-        self._folder(job_id).mkdir(parents=True)
-        if request.task_app_api_key:  # in memory only, until the job's driver takes it
-            self.task_app_keys[job_id] = request.task_app_api_key
-            self.keyed.add(job_id)
-        gateway = config.gateway
-        gateway.run_name, gateway.run_dir = job_id, str(self._run_dir(job_id).parent)
-        gateway.host, gateway.port, gateway.route_prefix = self.gateway["host"], self.gateway["port"], job_route(job_id)
-        gateway.access_log = False  # a line per request would bury the job's log
-        config.tags = {**config.tags, **{str(k): str(v) for k, v in request.tags.items()}}
-        dump_config(config, self._folder(job_id) / "config.toml")
+        return request, config, ignored
+
+    def _record(self, job_id: str, key: str, config, metadata: dict, idempotency_key: str | None) -> None:
+        """The new job, queued: its record, key, events and idempotency key, saved."""
         self.jobs[job_id] = jobs.Job(
             job_id=job_id,
             status="queued",
             created_at=time.time(),
             tags=config.tags,  # the config's [tags] and the request's (synth-ai sends both)
-            metadata=request.metadata,
+            metadata=metadata,
             model=config.model.name,
             task_app_url=config.services.task_url,
             total_steps=config.training.total_steps,
@@ -229,12 +246,6 @@ class JobManager:
             self.idempotency[idempotency_key] = job_id
         self._save(job_id, idempotency_key)
         self._event(job_id, "rl.created", f"job created: {config.model.name}, {config.training.total_steps} steps")
-        if ignored:  # synth-ai keys that change nothing here, each named once
-            names = ", ".join(item.split(":", 1)[0] for item in ignored)
-            message = f"config keys that change nothing here: {names}"
-            self._event(job_id, "rl.config.ignored", message, {"keys": ignored})
-        await self._start_queued()
-        return jobs.JobCreated(job_id=job_id, status=self.jobs[job_id].status, api_key=key).model_dump()
 
     async def list(self) -> list[dict]:
         self._ensure_watcher()
