@@ -186,7 +186,7 @@ def train(config: RLGateConfig, buffer_state: dict, progress: Progress, trainer,
         group_size=training.group_size,
         group_timeout_s=training.group_timeout_s,
         partial_groups=training.partial_groups,
-        drop_equal_reward_groups=algorithm["drop_equal_reward_groups"],
+        drop_equal_reward_groups=algorithm.drop_equal_reward_groups,
     )
     step, version = progress.step, progress.version
     surviving(lambda: capacity.on_new_version.remote(version), "the policy version")  # a resumed run: its own
@@ -198,14 +198,14 @@ def train(config: RLGateConfig, buffer_state: dict, progress: Progress, trainer,
         batch = collect(buffer, trajectories, capacity, stopping, version, training.max_staleness)
         if batch is None:  # the environment stayed down
             return
-        records, advantages = score(batch, algorithm["advantage"])  # group-relative advantages
+        records, advantages = score(batch, algorithm.advantage)  # group-relative advantages
         started = time.monotonic()
         step += 1
         metrics = trainer.step(  # optimizer step(s) on the Ray Train workers
             records,
             advantages,
             version,
-            normaliser(records, version, training.max_staleness, algorithm["aggregation"]),
+            normaliser(records, version, training.max_staleness, algorithm.aggregation),
             save=save_due(step, training),
             driver_state={"step": step, "buffer": buffer.state()},
         )

@@ -49,14 +49,14 @@ def step_settings(settings: RLGateConfig) -> StepSettings:
     training = settings.training
     algorithm = settings.algorithm.resolved(training.max_staleness)
     return StepSettings(
-        variety_loss=algorithm["loss"],
+        variety_loss=algorithm.loss,
         loss=LossConfig(
-            clip_low=algorithm["clip_low"],
-            clip_high=algorithm["clip_high"],
-            behaviour_weight_cap=algorithm["behaviour_weight_cap"],
-            aggregation=algorithm["aggregation"],
-            kl_coef=algorithm["kl_coef"],
-            entropy_coef=algorithm["entropy_coef"],
+            clip_low=algorithm.clip_low,
+            clip_high=algorithm.clip_high,
+            behaviour_weight_cap=algorithm.behaviour_weight_cap,
+            aggregation=algorithm.aggregation,
+            kl_coef=algorithm.kl_coef,
+            entropy_coef=algorithm.entropy_coef,
         ),
         max_staleness=training.max_staleness,
         updates_per_batch=training.updates_per_batch,

@@ -94,7 +94,7 @@ def trl_worker(config_path: Path, out: Path) -> None:
 
     config = load_config(config_path)
     training, algorithm = config.training, config.algorithm.resolved(config.training.max_staleness)
-    plain = (algorithm["advantage"], algorithm["aggregation"], algorithm["kl_coef"], algorithm["entropy_coef"])
+    plain = (algorithm.advantage, algorithm.aggregation, algorithm.kl_coef, algorithm.entropy_coef)
     if plain != ("grpo", "seq_mean_token_mean", 0, 0):
         raise SystemExit("bench/learning.py compares plain GRPO (variety = grpo, no KL, no entropy bonus) only")
     task, rng = get_task(config.task.builtin), random.Random(training.seed)
@@ -128,8 +128,8 @@ def trl_worker(config_path: Path, out: Path) -> None:
         max_steps=training.total_steps,
         max_completion_length=config.task.max_tokens,
         temperature=config.task.temperature,
-        epsilon=algorithm["clip_low"],
-        epsilon_high=algorithm["clip_high"],
+        epsilon=algorithm.clip_low,
+        epsilon_high=algorithm.clip_high,
         loss_type="grpo",  # sequence mean of token means, as rlgate's grpo variety
         scale_rewards="group",
         beta=0.0,

@@ -7,6 +7,7 @@ bad values are errors that name the key (``rollout.replicas: ...``).
 from __future__ import annotations
 
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -201,6 +202,23 @@ VARIETY_DEFAULTS: dict[str, dict] = {
 }
 
 
+@dataclass(frozen=True)
+class ResolvedAlgorithm:
+    """An [algorithm] with its variety's defaults filled in: what the driver and
+    the trainer workers run (``AlgorithmConfig.resolved``)."""
+
+    variety: str
+    advantage: str
+    loss: str
+    clip_low: float
+    clip_high: float
+    aggregation: str
+    kl_coef: float
+    entropy_coef: float
+    behaviour_weight_cap: float
+    drop_equal_reward_groups: bool
+
+
 class AlgorithmConfig(_Section):
     variety: Variety = Field(
         "grpo", description="A named recipe; it sets the fields below that are left unset (see VARIETY_DEFAULTS)."
@@ -223,7 +241,7 @@ class AlgorithmConfig(_Section):
         None, description="Drop groups whose rewards are all equal (no learning signal), as DAPO's dynamic sampling."
     )
 
-    def resolved(self, max_staleness: int) -> dict:
+    def resolved(self, max_staleness: int) -> ResolvedAlgorithm:
         """Every setting with the variety's defaults filled in."""
         settings = {**VARIETY_DEFAULTS[self.variety]}
         settings.update({k: v for k, v in self.model_dump().items() if v is not None})
@@ -231,7 +249,7 @@ class AlgorithmConfig(_Section):
         settings.setdefault("drop_equal_reward_groups", False)
         if max_staleness > 0 and settings["loss"] == "ppo_clip":
             settings["loss"] = "decoupled_ppo"  # off-policy tokens need the behaviour correction
-        return settings
+        return ResolvedAlgorithm(**settings)
 
 
 class TrainingConfig(_Section):

@@ -98,14 +98,14 @@ def test_readme_config_reference_lists_every_field():
 
 def test_varieties_fill_in_what_is_left_unset():
     dapo = parse_config({"algorithm": {"variety": "dapo"}}).algorithm.resolved(max_staleness=0)
-    assert dapo["clip_high"] == 0.28 and dapo["aggregation"] == "token_mean" and dapo["drop_equal_reward_groups"]
+    assert dapo.clip_high == 0.28 and dapo.aggregation == "token_mean" and dapo.drop_equal_reward_groups
     explicit = parse_config({"algorithm": {"variety": "dapo", "clip_high": 0.3, "aggregation": "seq_mean_token_mean"}})
-    assert explicit.algorithm.resolved(0)["clip_high"] == 0.3
-    assert explicit.algorithm.resolved(0)["aggregation"] == "seq_mean_token_mean"
+    assert explicit.algorithm.resolved(0).clip_high == 0.3
+    assert explicit.algorithm.resolved(0).aggregation == "seq_mean_token_mean"
     grpo = parse_config({}).algorithm
-    assert grpo.resolved(0)["loss"] == "ppo_clip" and grpo.resolved(0)["clip_high"] == grpo.clip_low
-    assert grpo.resolved(2)["loss"] == "decoupled_ppo"  # off-policy tokens need the behaviour correction
-    assert parse_config({"algorithm": {"variety": "gspo"}}).algorithm.resolved(2)["loss"] == "gspo"
+    assert grpo.resolved(0).loss == "ppo_clip" and grpo.resolved(0).clip_high == grpo.clip_low
+    assert grpo.resolved(2).loss == "decoupled_ppo"  # off-policy tokens need the behaviour correction
+    assert parse_config({"algorithm": {"variety": "gspo"}}).algorithm.resolved(2).loss == "gspo"
 
 
 def test_training_and_compute_checks_name_the_keys():
