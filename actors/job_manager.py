@@ -2,8 +2,9 @@
 
 Created (get-if-exists, detached, named ``rlgate-<run name>-jobs``) by the
 Gateway whose ``/api/rl/jobs`` routes call it: it carries that gateway's address
-and folder, so each gateway application has its own. Owns the job records, their events and the
-idempotency keys, all kept under ``<jobs_dir>/<job id>/`` (``job.json``,
+and folder, so each gateway application has its own. Owns the jobs, one
+:class:`Tracked` record each (the public ``Job``, its key's hash, its events,
+its task app's key while held), and the idempotency keys, all kept under ``<jobs_dir>/<job id>/`` (``job.json``,
 ``events.jsonl``, ``config.toml``, and the run folder ``runs/<job id>``), so a
 restarted JobManager (or gateway) picks every job up again from disk.
 
@@ -32,6 +33,7 @@ import secrets
 import shlex
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
@@ -52,6 +54,45 @@ LOST_KEY = (
 )
 
 
+@dataclass
+class Tracked:
+    """One job as the JobManager keeps it: the record its callers read, and what
+    only the actor knows (its key's hash, its events, its task app's key)."""
+
+    job: jobs.Job
+    key_hash: str  # of the job's own API key
+    idempotency_key: str | None = None
+    events: list[jobs.Event] = field(default_factory=list)
+    seen_step: int = 0  # the last metrics step reported as events
+    keyed: bool = False  # given a task app key (saved as a flag: a restart knows what it lost)
+    task_app_key: str | None = None  # in memory only, until the job's driver takes it
+    submit_failures: int = 0
+    poll_misses: int = 0
+
+    @property
+    def key_lost(self) -> bool:
+        """Given a task app key that a restart of the actor lost before its driver took it."""
+        return self.keyed and self.task_app_key is None
+
+    def stored(self) -> dict:
+        """What ``job.json`` holds: never the task app's key itself, only whether there was one."""
+        return {
+            "job": self.job.model_dump(mode="json"),
+            "key_hash": self.key_hash,
+            "idempotency_key": self.idempotency_key,
+            "task_app_key": self.keyed,
+        }
+
+    @classmethod
+    def restore(cls, stored: dict, events_path: Path) -> Tracked:
+        lines = events_path.read_text().splitlines() if events_path.exists() else []
+        events = [jobs.Event.model_validate_json(line) for line in lines]
+        steps = [e.data.get("step", 0) for e in events if e.type == "rl.iteration.complete"]
+        job = jobs.Job.model_validate(stored["job"])
+        keyed = bool(stored.get("task_app_key"))
+        return cls(job, stored["key_hash"], stored.get("idempotency_key"), events, max(steps, default=0), keyed)
+
+
 class JobManager:
     def __init__(
         self,
@@ -69,38 +110,26 @@ class JobManager:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.gateway, self.max_running, self.name, self.python = gateway, max_running, name, python
         self.set_jobs_section(jobs_section or {})
-        self.jobs: dict[str, jobs.Job] = {}
-        self.keys: dict[str, str] = {}  # job id -> hash of its API key
-        self.task_app_keys: dict[str, str] = {}  # job id -> its task app's key, until its driver takes it
-        self.keyed: set[str] = set()  # jobs given a task app key (on disk as a flag: a restart knows what it lost)
+        self.tracked: dict[str, Tracked] = {}  # job id -> the job and what only this actor knows of it
         self.idempotency: dict[str, str] = {}  # idempotency key -> job id
-        self.events: dict[str, list[jobs.Event]] = {}
-        self.seen_steps: dict[str, int] = {}
-        self.submit_failures: dict[str, int] = {}
-        self.poll_misses: dict[str, int] = {}
         for path in sorted(self.dir.glob("*/job.json")):  # a restart: every job as it was left
-            stored = json.loads(path.read_text())
-            job = jobs.Job.model_validate(stored["job"])
-            self.jobs[job.job_id], self.keys[job.job_id] = job, stored["key_hash"]
-            if stored.get("idempotency_key"):
-                self.idempotency[stored["idempotency_key"]] = job.job_id
-            if stored.get("task_app_key"):
-                self.keyed.add(job.job_id)
-            self._adopt_secret_files(job)
-            events = path.parent / "events.jsonl"
-            lines = events.read_text().splitlines() if events.exists() else []
-            self.events[job.job_id] = [jobs.Event.model_validate_json(line) for line in lines]
-            self.seen_steps[job.job_id] = max(
-                (e.data.get("step", 0) for e in self.events[job.job_id] if e.type == "rl.iteration.complete"),
-                default=0,
-            )
+            tracked = Tracked.restore(json.loads(path.read_text()), path.parent / "events.jsonl")
+            self.tracked[tracked.job.job_id] = tracked
+            if tracked.idempotency_key:
+                self.idempotency[tracked.idempotency_key] = tracked.job.job_id
+            self._adopt_secret_files(tracked)
         self._client = client
         self._watcher: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
-        for job in list(self.jobs.values()):  # a restart lost the keys of jobs that have not started
-            lost = job.job_id in self.keyed and job.job_id not in self.task_app_keys
-            if lost and job.status == "queued" and not self._submitted(job.job_id):
+        for tracked in list(self.tracked.values()):  # a restart lost the keys of jobs that have not started
+            job = tracked.job
+            if tracked.key_lost and job.status == "queued" and not self._submitted(job.job_id):
                 self._finish(job.job_id, "failed", LOST_KEY)
+
+    @property
+    def jobs(self) -> dict[str, jobs.Job]:
+        """Every job's public record, by id."""
+        return {job_id: tracked.job for job_id, tracked in self.tracked.items()}
 
     def set_jobs_section(self, jobs_section: dict) -> None:
         """The operator's ``[jobs]``: which task apps jobs may call, model names, waits and
@@ -127,33 +156,25 @@ class JobManager:
     def _run_dir(self, job_id: str) -> Path:
         return self._folder(job_id) / "runs" / job_id
 
-    def _save(self, job_id: str, idempotency_key: str | None = None) -> None:
+    def _save(self, job_id: str) -> None:
         path = self._folder(job_id) / "job.json"
-        old = json.loads(path.read_text()) if path.exists() else {}
-        record = {
-            "job": self.jobs[job_id].model_dump(mode="json"),
-            "key_hash": self.keys[job_id],
-            "idempotency_key": idempotency_key or old.get("idempotency_key"),
-            "task_app_key": job_id in self.keyed,  # whether it was given one; the key itself is never written
-        }
         temporary = path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(record))
+        temporary.write_text(json.dumps(self.tracked[job_id].stored()))
         temporary.replace(path)  # a crash leaves the old record or the new one, never half of one
 
-    def _adopt_secret_files(self, job: jobs.Job) -> None:
+    def _adopt_secret_files(self, tracked: Tracked) -> None:
         """The secret files that versions before this one kept beside a job's records:
         removed, and a task app key still to be used kept in memory instead."""
-        folder = self._folder(job.job_id)
+        folder = self._folder(tracked.job.job_id)
         (folder / "admin_key").unlink(missing_ok=True)
         old = folder / "task_app_key"
         if old.exists():
-            if job.status not in jobs.FINISHED:
-                self.task_app_keys[job.job_id] = old.read_text()
-                self.keyed.add(job.job_id)
+            if tracked.job.status not in jobs.FINISHED:
+                tracked.task_app_key, tracked.keyed = old.read_text(), True
             old.unlink()
 
     def _event(self, job_id: str, kind: str, message: str, data: dict | None = None) -> None:
-        events = self.events.setdefault(job_id, [])
+        events = self.tracked[job_id].events
         event = jobs.Event(seq=len(events) + 1, type=kind, message=message, created_at=time.time(), data=data or {})
         events.append(event)
         with open(self._folder(job_id) / "events.jsonl", "a") as out:
@@ -161,13 +182,14 @@ class JobManager:
 
     def _job(self, job_id: str, key: str | None) -> jobs.Job:
         self._ensure_watcher()
-        if key is not None and hash_key(key) not in self.keys.values():  # before 404: ids are not for strangers
+        known = {tracked.key_hash for tracked in self.tracked.values()}
+        if key is not None and hash_key(key) not in known:  # before 404: ids are not for strangers
             raise SessionError(401, "invalid API key: use the admin key or this job's own key")
-        if job_id not in self.jobs:
+        if job_id not in self.tracked:
             raise SessionError(404, f"no job {job_id!r}")
-        if key is not None and not same_secret(hash_key(key), self.keys[job_id]):
+        if key is not None and not same_secret(hash_key(key), self.tracked[job_id].key_hash):
             raise SessionError(403, "this key belongs to another job")
-        return self.jobs[job_id]
+        return self.tracked[job_id].job
 
     # --- the routes' calls ---------------------------------------------------------------
     # ``key``: None when the caller holds the admin key, else the job key it sent.
@@ -175,28 +197,25 @@ class JobManager:
     async def submit(self, body: dict, idempotency_key: str | None) -> dict:
         self._ensure_watcher()
         if idempotency_key and idempotency_key in self.idempotency:
-            job = self.jobs[self.idempotency[idempotency_key]]
+            job = self.tracked[self.idempotency[idempotency_key]].job
             return jobs.JobCreated(job_id=job.job_id, status=job.status).model_dump()
         request, config, ignored = await self._vetted(body)
         job_id = "job-" + secrets.token_hex(6)
         key = new_key("rlg-job-")
         self._folder(job_id).mkdir(parents=True)
-        if request.task_app_api_key:  # in memory only, until the job's driver takes it
-            self.task_app_keys[job_id] = request.task_app_api_key
-            self.keyed.add(job_id)
         gateway = config.gateway
         gateway.run_name, gateway.run_dir = job_id, str(self._run_dir(job_id).parent)
         gateway.host, gateway.port, gateway.route_prefix = self.gateway["host"], self.gateway["port"], job_route(job_id)
         gateway.access_log = False  # a line per request would bury the job's log
         config.tags = {**config.tags, **{str(k): str(v) for k, v in request.tags.items()}}
         dump_config(config, self._folder(job_id) / "config.toml")
-        self._record(job_id, key, config, request.metadata, idempotency_key)
+        self._record(job_id, key, config, request, idempotency_key)
         if ignored:  # synth-ai keys that change nothing here, each named once
             names = ", ".join(item.split(":", 1)[0] for item in ignored)
             message = f"config keys that change nothing here: {names}"
             self._event(job_id, "rl.config.ignored", message, {"keys": ignored})
         await self._start_queued()
-        return jobs.JobCreated(job_id=job_id, status=self.jobs[job_id].status, api_key=key).model_dump()
+        return jobs.JobCreated(job_id=job_id, status=self.tracked[job_id].job.status, api_key=key).model_dump()
 
     async def _vetted(self, body: dict):
         """(request, config, ignored keys) of a job this gateway takes; SessionError
@@ -228,23 +247,26 @@ class JobManager:
             raise SessionError(422, problem)
         return request, config, ignored
 
-    def _record(self, job_id: str, key: str, config, metadata: dict, idempotency_key: str | None) -> None:
-        """The new job, queued: its record, key, events and idempotency key, saved."""
-        self.jobs[job_id] = jobs.Job(
+    def _record(self, job_id: str, key: str, config, request: jobs.JobRequest, idempotency_key: str | None) -> None:
+        """The new job, queued: its record, key, events and idempotency key, saved;
+        its task app's key in memory only, until the job's driver takes it."""
+        job = jobs.Job(
             job_id=job_id,
             status="queued",
             created_at=time.time(),
             tags=config.tags,  # the config's [tags] and the request's (synth-ai sends both)
-            metadata=metadata,
+            metadata=request.metadata,
             model=config.model.name,
             task_app_url=config.services.task_url,
             total_steps=config.training.total_steps,
             progress=jobs.progress([], config.training.total_steps),
         )
-        self.keys[job_id], self.events[job_id], self.seen_steps[job_id] = hash_key(key), [], 0
+        self.tracked[job_id] = Tracked(job, hash_key(key), idempotency_key)
+        if request.task_app_api_key:
+            self.tracked[job_id].task_app_key, self.tracked[job_id].keyed = request.task_app_api_key, True
         if idempotency_key:
             self.idempotency[idempotency_key] = job_id
-        self._save(job_id, idempotency_key)
+        self._save(job_id)
         self._event(job_id, "rl.created", f"job created: {config.model.name}, {config.training.total_steps} steps")
 
     async def list(self) -> list[dict]:
@@ -254,13 +276,15 @@ class JobManager:
     async def take_task_app_key(self, job_id: str) -> str | None:
         """The job's task app key, for its driver, once: then this actor forgets it.
         None when the job was given none; LookupError when it was and is gone."""
-        if job_id in self.task_app_keys:
-            return self.task_app_keys.pop(job_id)
-        if job_id not in self.jobs:
+        tracked = self.tracked.get(job_id)
+        if tracked is None:
             raise LookupError(f"no job {job_id!r}")
-        if self.jobs[job_id].status in jobs.FINISHED:  # e.g. cancelled while its driver was starting
-            raise LookupError(f"job {job_id} has already {self.jobs[job_id].status}")
-        if job_id in self.keyed:
+        if tracked.task_app_key is not None:
+            key, tracked.task_app_key = tracked.task_app_key, None
+            return key
+        if tracked.job.status in jobs.FINISHED:  # e.g. cancelled while its driver was starting
+            raise LookupError(f"job {job_id} has already {tracked.job.status}")
+        if tracked.keyed:
             raise LookupError(LOST_KEY)
         return None
 
@@ -270,7 +294,7 @@ class JobManager:
 
     async def get_events(self, job_id: str, key: str | None, since_seq: int, limit: int) -> list[dict]:
         self._job(job_id, key)
-        chosen = [e for e in self.events.get(job_id, []) if e.seq > since_seq][:limit]
+        chosen = [e for e in self.tracked[job_id].events if e.seq > since_seq][:limit]
         return [e.model_dump(mode="json") for e in chosen]
 
     async def get_metrics(self, job_id: str, key: str | None, after_step: int) -> list[dict]:
@@ -332,7 +356,7 @@ class JobManager:
             running += self._submitted(job.job_id)
 
     async def _submit_to_ray(self, job: jobs.Job) -> None:
-        if job.job_id in self.keyed and job.job_id not in self.task_app_keys:  # lost in a restart
+        if self.tracked[job.job_id].key_lost:  # lost in a restart
             self._finish(job.job_id, "failed", LOST_KEY)
             return
         folder = self._folder(job.job_id)
@@ -358,12 +382,13 @@ class JobManager:
             if await self._known_to_ray(job.job_id):  # submitted before a restart cut us short
                 (self._folder(job.job_id) / "submitted").touch()
                 return
-            tries = self.submit_failures[job.job_id] = self.submit_failures.get(job.job_id, 0) + 1
-            if tries >= 60:
+            tracked = self.tracked[job.job_id]
+            tracked.submit_failures += 1
+            if (tries := tracked.submit_failures) >= 60:
                 self._finish(job.job_id, "failed", f"Ray's job API refused the job {tries} times: {err}")
             return
         (folder / "submitted").touch()
-        if self.jobs[job.job_id].status == "cancelled":  # cancelled while it was being submitted
+        if job.status == "cancelled":  # cancelled while it was being submitted
             await self._stop(job.job_id)
 
     async def _known_to_ray(self, job_id: str) -> bool:
@@ -395,8 +420,9 @@ class JobManager:
         )
 
     def _finish(self, job_id: str, status: str, error: str | None) -> None:
-        self.task_app_keys.pop(job_id, None)  # however it ended: a key its driver never took goes too
-        job = self.jobs[job_id]
+        tracked = self.tracked[job_id]
+        tracked.task_app_key = None  # however it ended: a key its driver never took goes too
+        job = tracked.job
         if job.status in jobs.FINISHED:
             return
         self._catch_up(job_id)
@@ -408,12 +434,13 @@ class JobManager:
 
     def _catch_up(self, job_id: str) -> None:
         """Events and progress for metrics lines not yet reported."""
-        job, metrics = self.jobs[job_id], self._metrics(job_id)
+        tracked, metrics = self.tracked[job_id], self._metrics(job_id)
+        job = tracked.job
         for line in metrics:
-            if line["step"] > self.seen_steps[job_id]:
+            if line["step"] > tracked.seen_step:
                 for kind, message, data in jobs.step_events(line):
                     self._event(job_id, kind, message, data)
-                self.seen_steps[job_id] = line["step"]
+                tracked.seen_step = line["step"]
         job.progress = jobs.progress(metrics, job.total_steps)
 
     async def _watch(self) -> None:
@@ -428,12 +455,13 @@ class JobManager:
 
     async def _poll(self, job: jobs.Job) -> None:
         if not await self._known_to_ray(job.job_id):
-            self.poll_misses[job.job_id] = self.poll_misses.get(job.job_id, 0) + 1
-            if self.poll_misses[job.job_id] >= 30:  # half a minute: the cluster restarted without it
+            tracked = self.tracked[job.job_id]
+            tracked.poll_misses += 1
+            if tracked.poll_misses >= 30:  # half a minute: the cluster restarted without it
                 self._finish(job.job_id, "failed", "Ray no longer knows this job (was the cluster restarted?)")
                 await self._drop_leftovers(job.job_id)
             return
-        self.poll_misses.pop(job.job_id, None)
+        self.tracked[job.job_id].poll_misses = 0
         info = await asyncio.to_thread(self.client.get_job_info, job.job_id)
         status = jobs.RAY_STATUS.get(info.status.value, "queued")
         if status == "running" and job.status == "queued":
