@@ -31,7 +31,6 @@ from pydantic import ValidationError
 from ray import serve
 
 from actors.trainer import TrainerWorkers
-from actors.trajectory_store import last_seq
 from rlgate.batching import GroupBuffer
 from rlgate.config import ConfigError, RLGateConfig, dump_config, load_config
 from rlgate.loop import collect, normaliser, score, surviving
@@ -51,6 +50,7 @@ from rlgate.serving.routing import serve_start_options
 from rlgate.sessions import hash_key, new_key
 from rlgate.taskapp import TaskAppClient, TaskAppError, environment_key
 from rlgate.tasks import Episodes, builtin_episodes, evaluate, get_task, task_app_episodes
+from rlgate.trajectory_files import last_seq
 from serve_app import AdminKey, admin_key, build_app, resolve_model
 
 

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from actors.trajectory_store import TrajectoryFiles
 from rlgate.export import sampled_spans
+from rlgate.trajectory_files import TrajectoryFiles
 from tests.test_serving import client, served, start  # noqa: F401 - the fixture
 
 
