@@ -36,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rlgate.trajectory import TrajectoryRecord
+
 
 @dataclass
 class Group:
@@ -46,7 +48,7 @@ class Group:
     opened_at: float = 0.0
 
     @property
-    def records(self) -> list[dict]:
+    def records(self) -> list[TrajectoryRecord]:
         return [record for records in self.sessions.values() for record in records]
 
     @property
@@ -67,7 +69,7 @@ class Batch:
     partial: list[Group]  # groups that timed out short: advantages over the whole batch
 
     @property
-    def records(self) -> list[dict]:
+    def records(self) -> list[TrajectoryRecord]:
         return [r for g in self.groups + self.partial for r in g.records]
 
     @property
@@ -96,7 +98,7 @@ class Counters:
         return self.dropped_equal_reward + self.dropped_partial + self.dropped_stale + self.dropped_failed
 
 
-def _sessions(records: list[dict]) -> list[list[dict]]:
+def _sessions(records: list[TrajectoryRecord]) -> list[list[dict]]:
     """Consecutive records of the same session, as runs."""
     runs: list[list[dict]] = []
     for record in records:
@@ -133,7 +135,7 @@ class GroupBuffer:
 
     # --- input ----------------------------------------------------------------
 
-    def add(self, records: list[dict]) -> None:
+    def add(self, records: list[TrajectoryRecord]) -> None:
         """Records in ``seq`` order, as read from the TrajectoryStore: a session's
         records (saved together) come together, so a group completes only with
         every record of its last session."""

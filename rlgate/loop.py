@@ -18,6 +18,7 @@ import torch
 
 from rlgate.batching import Batch, GroupBuffer
 from rlgate.grpo import denominator, group_advantages
+from rlgate.trajectory import TrajectoryRecord
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def score(batch: Batch, estimator: str) -> tuple[list[dict], list[float]]:
     return records, torch.where(partial, over_batch, within).tolist()
 
 
-def normaliser(records: list[dict], version: int, max_staleness: int, aggregation: str) -> float:
+def normaliser(records: list[TrajectoryRecord], version: int, max_staleness: int, aggregation: str) -> float:
     """:func:`rlgate.grpo.denominator` over the whole batch, stale tokens dropped,
     for every worker's share of it."""
     oldest = version - max_staleness

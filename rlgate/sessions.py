@@ -284,14 +284,13 @@ class SessionManager:
         self._by_key.pop(session.key_hash, None)
         session.ending = True
         self._closing.add(session.key_hash)
-        extra = {"end_reason": reason} | ({"group_size": session.group_size} if session.group_size else {})
         if not session.train:
             samples = []
         elif reason == "failed":
             samples = [session.trajectory.failure(self.export_style)]
         else:
             samples = session.trajectory.export(self.export_style, self.turn_discount)
-        records = [{**vars(sample), **extra} for sample in samples]  # fields are flat: no deep copy
+        records = [sample.record(reason, session.group_size) for sample in samples]
         try:
             if records:
                 # From here the save may reach the disk whatever this call hears: a restarted

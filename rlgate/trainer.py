@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from rlgate.grpo import LossConfig, PolicyBatch, denominator, policy_loss
+from rlgate.trajectory import TrajectoryRecord
 
 
 @dataclass
@@ -44,7 +45,7 @@ class TrainBatch:
         return TrainBatch(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
 
 
-def collate(records: list[dict], advantages: list[float], pad_id: int = 0) -> TrainBatch:
+def collate(records: list[TrajectoryRecord], advantages: list[float], pad_id: int = 0) -> TrainBatch:
     """Records (``input_ids``, ``loss_mask``, ``logprobs``, ``versions``, and
     ``temperatures`` when present) to a TrainBatch."""
     width = max(len(r["input_ids"]) for r in records)

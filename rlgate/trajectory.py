@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NotRequired, TypedDict
 
 ExportStyle = Literal["individual", "concat"]
 NO_VERSION = -1  # version recorded for tokens the model did not sample (prompt tokens)
@@ -57,6 +57,32 @@ class Interaction:
         return self.prompt_ids + self.completion_ids
 
 
+class TrajectoryRecord(TypedDict):
+    """A saved trajectory as it crosses processes and sits in the trajectory log:
+    a :class:`Sample`'s fields, how its session ended, and the log's sequence
+    number (set by the TrajectoryStore when it is appended). What the driver
+    batches, the trainer collates and ``rlgate trajectories export`` reads."""
+
+    session_id: str
+    task_id: str
+    style: ExportStyle
+    interaction_ids: list[str]
+    rewards: list[float]
+    reward: float
+    input_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reasons: list[str | None]
+    created_at: float
+    ended_at: float
+    temperatures: list[float]
+    failed: bool
+    end_reason: str  # ended, failed, expired, refreshed, restart, ...
+    group_size: NotRequired[int]  # the group the session started in, when it said
+    seq: NotRequired[int]  # its place in the log, from 1, gap-free
+
+
 @dataclass
 class Sample:
     """One exported training sample (a JSON record in the trajectory files)."""
@@ -76,6 +102,13 @@ class Sample:
     ended_at: float
     temperatures: list[float] = field(default_factory=list)  # per token: sampling temperature (1.0 elsewhere)
     failed: bool = False  # the episode failed (e.g. its environment errored): a marker, nothing to train on
+
+    def record(self, end_reason: str, group_size: int | None = None) -> TrajectoryRecord:
+        """This sample as the log keeps it (fields are flat: no deep copy)."""
+        record: TrajectoryRecord = {**vars(self), "end_reason": end_reason}
+        if group_size:
+            record["group_size"] = group_size
+        return record
 
 
 class SessionTrajectory:

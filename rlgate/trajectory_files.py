@@ -15,6 +15,7 @@ import sqlite3
 from pathlib import Path
 
 from rlgate.logfile import append_whole, cut_torn_tail, json_lines, open_log
+from rlgate.trajectory import TrajectoryRecord
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class SavedSessions:
     def holds(self, session_id: str) -> bool:
         return self.db.execute("SELECT 1 FROM saved WHERE session_id = ?", (session_id,)).fetchone() is not None
 
-    def add(self, records: list[dict]) -> None:
+    def add(self, records: list[TrajectoryRecord]) -> None:
         rows = {r["session_id"]: r["seq"] for r in records if r.get("session_id") is not None}
         with self.db:
             self.db.executemany("INSERT OR REPLACE INTO saved VALUES (?, ?)", rows.items())
@@ -121,7 +122,7 @@ class TrajectoryFiles:
             cut_torn_tail(handle.fileno())
         return _tail_seq(path.read_bytes())
 
-    def append(self, records: list[dict]) -> list[int]:
+    def append(self, records: list[TrajectoryRecord]) -> list[int]:
         """Save records (one session's export); [] if that session is saved already."""
         if not records:
             return []
