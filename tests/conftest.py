@@ -211,3 +211,15 @@ def serve_asgi(app):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@pytest.fixture
+async def served(hf_engine, tiny_tokenizer, tmp_path):
+    """(an httpx client on the serving path in this process, its SessionManager, the records it saved)."""
+    import httpx
+
+    from tests.support import serving_app
+
+    app, manager, saved = serving_app(hf_engine, tiny_tokenizer, tmp_path)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as http:
+        yield http, manager, saved

@@ -9,6 +9,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
+import openai
+
+from rlgate.config import parse_config
+from rlgate.serving.auth import Auth
+from rlgate.serving.clients import JobsClient, LocalEngine
+from rlgate.serving.owned import LocalSessions
+from rlgate.serving.routes import build_app
+from rlgate.serving.service import GatewayService
+from rlgate.sessions import SessionManager, hash_key
+
+ROOT = Path(__file__).resolve().parents[1]
+
 # Two tokens whose reference logprobs are this close are a near tie: which one
 # greedy decoding picks is decided by kernel rounding (CPU model, thread count,
 # engine, batch shape), not by the model. Engines agree with the float32
@@ -186,3 +199,98 @@ def synth_ai_env(folder: Path) -> dict:
     return {k: v for k, v in os.environ.items() if k not in drop} | {
         "EXPERIMENT_QUEUE_DB_PATH": str(Path(folder) / "experiment_queue.db")
     }
+
+
+def lines(path: Path) -> list[dict]:
+    """The JSON lines of a file (metrics.jsonl, batches.jsonl, a trajectory segment)."""
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# --- the serving path in this process (no Ray Serve): tests/conftest.py's `served` ---
+
+ADMIN = "serving-admin-key"
+
+
+class Slots:
+    """Admission without a trainer: up to ``limit`` open sessions."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.running = limit, 0
+
+    async def acquire(self, timeout_s: float = 0.0, task_id=None, group_size=None) -> bool:
+        if self.running >= self.limit:
+            return False
+        self.running += 1
+        return True
+
+    async def release(self, accepted: bool) -> None:
+        self.running -= 1
+
+
+class NoStores:
+    """Status and trajectory reads are the actors' business; unused here."""
+
+
+def serving_app(engine, tokenizer, tmp_path, model: str = "tiny-random", **gateway):
+    """(the ASGI app, its SessionManager, the records it saved) of a gateway over
+    ``engine`` in this process, with these ``[gateway]`` settings (export_style concat)."""
+    saved: list[dict] = []
+
+    async def persist(records: list[dict]) -> None:
+        saved.extend(records)
+
+    gateway = {"run_dir": str(tmp_path), "export_style": "concat", **gateway}
+    settings = parse_config({"model": {"name": model}, "gateway": gateway})
+    manager = SessionManager(Slots(4), persist, export_style="concat")
+    service = GatewayService(
+        settings,
+        tokenizer,
+        Auth(hash_key(ADMIN)),
+        LocalSessions(manager),
+        LocalEngine(engine),
+        NoStores(),
+        JobsClient(lambda: None),
+    )
+    return build_app(service), manager, saved
+
+
+async def start(http: httpx.AsyncClient, task: str = "t") -> str:
+    started = await http.post("/rl/start_session", json={"task_id": task}, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert started.status_code == 200, started.text
+    assert started.json()["inference_url"] == f"http://gateway/s/{started.json()['api_key']}/v1"
+    return started.json()["api_key"]
+
+
+def client(http: httpx.AsyncClient, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url="http://gateway/v1", api_key=key, http_client=http)
+
+
+# --- colocated gateway replicas over HTTP ---
+
+
+def key_of(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def prompt_len(record: dict) -> int:
+    return record["loss_mask"].index(1)
+
+
+def until_served(call, seconds: float = 180):
+    """Call until the replica's successor answers (connection refused or 5xx meanwhile)."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            response = call()
+            if response.status_code < 500:
+                return response
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "no replica took over"
+        time.sleep(0.5)

@@ -12,7 +12,7 @@ import pytest
 from rlgate.chat import exchange_keys, extend_key
 from rlgate.serving import anthropic as messages_api
 from rlgate.serving.errors import HTTPError
-from tests.test_serving import ADMIN, served, start  # noqa: F401 - the fixture
+from tests.support import start
 
 TOOL = {
     "name": "calculator",

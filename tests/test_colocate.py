@@ -20,7 +20,7 @@ import pytest
 
 from rlgate.parity import _reference_logprobs
 from tests.conftest import gateway_fixture
-from tests.support import free_port, publish_perturbed
+from tests.support import free_port, key_of, prompt_len, publish_perturbed, until_served
 
 NAME = "gw-colo"
 SETTINGS = {
@@ -33,10 +33,6 @@ pytestmark = pytest.mark.slow
 colo = gateway_fixture(NAME, SETTINGS)
 
 
-def key_of(key: str) -> dict:
-    return {"Authorization": f"Bearer {key}"}
-
-
 def chat(app, key: str, messages: list[dict], temperature: float = 0.0):
     with openai.OpenAI(base_url=f"{app.url}/v1", api_key=key, max_retries=0) as client:
         return client.chat.completions.create(
@@ -46,10 +42,6 @@ def chat(app, key: str, messages: list[dict], temperature: float = 0.0):
             temperature=temperature,
             extra_body={"ignore_eos": True},
         )
-
-
-def prompt_len(record: dict) -> int:
-    return record["loss_mask"].index(1)
 
 
 def test_a_colocated_replica_serves_records_and_exports_on_its_own_port(colo, ray_session):
@@ -106,20 +98,6 @@ def replica_pid() -> int:
         if f"ServeReplica:{NAME}:Gateway" in " ".join(p.info["cmdline"] or [])
     ]
     return replica.pid
-
-
-def until_served(call, seconds: float = 180):
-    """Call until the replica's successor answers (connection refused or 5xx meanwhile)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            response = call()
-            if response.status_code < 500:
-                return response
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "no replica took over"
-        time.sleep(0.5)
 
 
 def test_a_killed_colocated_replica_hands_its_sessions_to_its_successor(colo, ray_session, reference_model):

@@ -12,7 +12,7 @@ import pytest
 
 from rlgate.export import sampled_spans
 from rlgate.trajectory_files import TrajectoryFiles
-from tests.test_serving import client, served, start  # noqa: F401 - the fixture
+from tests.support import client, start
 
 
 def test_sampled_spans_are_the_runs_of_the_loss_mask():

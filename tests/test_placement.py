@@ -71,7 +71,7 @@ def test_a_replica_holds_all_its_tensor_parallel_gpus():
 def test_nodes_the_autoscaler_may_add_count_as_placeable():
     import yaml
 
-    from tests.test_deploy import ROOT
+    from tests.support import ROOT
 
     launcher = yaml.safe_load((ROOT / "cluster.yaml").read_text())
     types = launcher_node_types(launcher)  # the worker types, at their most

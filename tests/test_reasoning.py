@@ -12,7 +12,7 @@ import pytest
 
 from rlgate.models import prepare_model
 from rlgate.reasoning import ReasoningParser
-from tests.test_serving import ADMIN, serving_app
+from tests.support import ADMIN, serving_app
 
 ASK = [{"role": "user", "content": "What is 6 * 7?"}]
 GREEDY = {"temperature": 0, "max_tokens": 32}

@@ -11,7 +11,7 @@ import pytest
 from rlgate.chat import exchange_keys, extend_key
 from rlgate.serving.errors import HTTPError
 from rlgate.serving.responses import ResponseLog, ResponsesCall, ResponsesRequest, input_messages
-from tests.test_serving import ADMIN, client, served, start  # noqa: F401 - the fixture
+from tests.support import ADMIN, client, start
 
 TOOL = {
     "type": "function",

@@ -17,8 +17,7 @@ import pytest
 
 from rlgate.serving.auth import key_slot
 from tests.conftest import gateway_fixture
-from tests.support import free_port
-from tests.test_colocate import key_of, prompt_len, until_served
+from tests.support import free_port, key_of, prompt_len, until_served
 
 NAME = "gw-scale"
 SETTINGS = {

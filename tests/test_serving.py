@@ -4,80 +4,10 @@ tiny-random, called with the official openai client through httpx's ASGI transpo
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 
-from rlgate.config import parse_config
-from rlgate.serving.auth import Auth
-from rlgate.serving.clients import JobsClient, LocalEngine
-from rlgate.serving.owned import LocalSessions
-from rlgate.serving.routes import build_app
-from rlgate.serving.service import GatewayService
-from rlgate.sessions import SessionManager, hash_key
-
-ADMIN = "serving-admin-key"
-
-
-class Slots:
-    """Admission without a trainer: up to ``limit`` open sessions."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.running = limit, 0
-
-    async def acquire(self, timeout_s: float = 0.0, task_id=None, group_size=None) -> bool:
-        if self.running >= self.limit:
-            return False
-        self.running += 1
-        return True
-
-    async def release(self, accepted: bool) -> None:
-        self.running -= 1
-
-
-class NoStores:
-    """Status and trajectory reads are the actors' business; unused here."""
-
-
-def serving_app(engine, tokenizer, tmp_path, model: str = "tiny-random", **gateway):
-    """(the ASGI app, its SessionManager, the records it saved) of a gateway over
-    ``engine`` in this process, with these ``[gateway]`` settings (export_style concat)."""
-    saved: list[dict] = []
-
-    async def persist(records: list[dict]) -> None:
-        saved.extend(records)
-
-    gateway = {"run_dir": str(tmp_path), "export_style": "concat", **gateway}
-    settings = parse_config({"model": {"name": model}, "gateway": gateway})
-    manager = SessionManager(Slots(4), persist, export_style="concat")
-    service = GatewayService(
-        settings,
-        tokenizer,
-        Auth(hash_key(ADMIN)),
-        LocalSessions(manager),
-        LocalEngine(engine),
-        NoStores(),
-        JobsClient(lambda: None),
-    )
-    return build_app(service), manager, saved
-
-
-@pytest.fixture
-async def served(hf_engine, tiny_tokenizer, tmp_path):
-    app, manager, saved = serving_app(hf_engine, tiny_tokenizer, tmp_path)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as http:
-        yield http, manager, saved
-
-
-async def start(http: httpx.AsyncClient, task: str = "t") -> str:
-    started = await http.post("/rl/start_session", json={"task_id": task}, headers={"Authorization": f"Bearer {ADMIN}"})
-    assert started.status_code == 200, started.text
-    assert started.json()["inference_url"] == f"http://gateway/s/{started.json()['api_key']}/v1"
-    return started.json()["api_key"]
-
-
-def client(http: httpx.AsyncClient, key: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url="http://gateway/v1", api_key=key, http_client=http)
+from tests.support import ADMIN, client, start
 
 
 async def test_a_session_of_two_turns_is_served_recorded_and_exported(served, tiny_tokenizer):

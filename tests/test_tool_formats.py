@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from rlgate.models import CALCULATOR_TOOL, prepare_model
-from tests.test_serving import ADMIN, serving_app
+from tests.support import ADMIN, serving_app
 
 ASK = [{"role": "user", "content": "What is 6 * 7?"}]
 

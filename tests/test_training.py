@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlgate.models import prepare_model
-from tests.support import free_port
+from tests.support import free_port, lines
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -81,10 +81,6 @@ def start_driver(path: Path, admin_key: str = "train-test-admin-key-0123") -> su
         stderr=subprocess.STDOUT,
         text=True,
     )
-
-
-def lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_train_sync_checkpoint_and_resume(tmp_path):
