@@ -10,7 +10,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(ENGINE)
 PYTEST_ARGS ?=
 
-.PHONY: install test demo chat bench parity lint clean
+.PHONY: install test test-fast demo chat bench parity lint clean
 
 install: $(STAMP)
 
@@ -31,6 +31,10 @@ endif
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The unit tier alone: no Ray, no vLLM engine (tests/conftest.py assigns the tiers).
+test-fast: install
+	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 
 # A fresh run each time: runs/demo-<time>/ (metrics.jsonl, reward_curve.png, checkpoints).
 demo: install

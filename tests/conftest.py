@@ -37,9 +37,28 @@ def generated_keys(data: bytes | str) -> list[str]:
     return [found.decode() for found in GENERATED_KEY.findall(data)]
 
 
+# Test tiers (`pytest -m unit|integration|system`; `make test-fast` runs the unit tier):
+# system tests run their own clusters or processes (the driver, `serve run`, a
+# two-node cluster) or kill parts of the system; integration tests use the shared
+# Ray session or start a vLLM engine; the rest are unit tests (seconds each).
+SYSTEM_MODULES = {"test_cluster", "test_training", "test_faults", "test_serve_app", "test_cli"}
+INTEGRATION_FIXTURES = {"ray_session", "vllm_engine", "smollm2_vllm"}
+
+
+def tier(item) -> str:
+    if item.module.__name__.rsplit(".", 1)[-1] in SYSTEM_MODULES:
+        return "system"
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if fixtures & INTEGRATION_FIXTURES or ("engine" in fixtures and "[vllm]" in item.nodeid):
+        return "integration"
+    return "unit"
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    for item in items:
+        item.add_marker(getattr(pytest.mark, tier(item)))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -6,8 +6,6 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 from rlgate.parity import FRESH_ENGINE_TOLERANCE
 from tests.conftest import needs_vllm
 
@@ -43,7 +41,6 @@ def test_check_parity_fails_loudly_when_the_bar_is_impossible():
 
 
 @needs_vllm
-@pytest.mark.slow
 def test_check_parity_on_smollm2():
     result, fields = check_parity("--model", "smollm2-135m-instruct")
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]

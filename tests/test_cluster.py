@@ -30,7 +30,6 @@ from tests.support import free_port, lines
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the ray and serve commands of this environment
 ADMIN_KEY = "cluster-test-admin-key-0123456789"
-pytestmark = pytest.mark.slow
 
 
 @dataclass

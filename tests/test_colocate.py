@@ -28,7 +28,6 @@ SETTINGS = {
     "rollout": {"engine": "hf", "max_model_len": 512, "request_log_size": 8},
     "gateway": {"colocate": True, "direct_port": free_port()},
 }
-pytestmark = pytest.mark.slow
 
 colo = gateway_fixture(NAME, SETTINGS)
 

@@ -20,7 +20,6 @@ import pytest
 from tests.conftest import gateway_fixture
 
 SETTINGS = {"model": {"name": "tiny-random"}, "rollout": {"engine": "hf", "max_model_len": 512}}
-pytestmark = pytest.mark.slow
 
 
 faults = gateway_fixture("gw-faults", SETTINGS)

@@ -23,7 +23,6 @@ SETTINGS = {
 FUZZ = settings(
     max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 )
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from rlgate.client import RLGateError, RLJob
 from tests.conftest import generated_keys, serve_asgi, start_gateway
 from tests.support import free_port, synth_ai_env, synth_ai_python
 
-pytestmark = pytest.mark.slow
 TASK_APP_KEY = "env-key-for-the-jobs-tests"
 
 

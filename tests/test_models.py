@@ -121,7 +121,6 @@ def test_cli_prepare_prints_folder_and_rejects_bad_names(tiny_path):
     assert "unknown model 'gpt-17'" in bad.stderr and "tiny-random" in bad.stderr
 
 
-@pytest.mark.slow
 def test_smollm2_from_the_wheel_loads_in_transformers():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

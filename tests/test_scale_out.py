@@ -13,7 +13,6 @@ import signal
 
 import httpx
 import openai
-import pytest
 
 from rlgate.serving.auth import key_slot
 from tests.conftest import gateway_fixture
@@ -25,7 +24,6 @@ SETTINGS = {
     "rollout": {"engine": "hf", "replicas": 2, "max_model_len": 512, "request_log_size": 32},
     "gateway": {"colocate": True, "max_concurrent": 4, "direct_port": free_port(2)},
 }
-pytestmark = pytest.mark.slow
 
 two = gateway_fixture(NAME, SETTINGS)
 

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from tests.conftest import gateway_fixture, generated_keys
 from tests.support import free_port
@@ -22,7 +21,6 @@ SETTINGS = {
     "jobs": {"task_app_hosts": ["127.0.0.1"]},  # the failing job's task app is on loopback
 }
 CREDENTIALS = ("none", "malformed", "wrong", "admin", "own", "other", "ended", "job")
-pytestmark = pytest.mark.slow
 
 
 sec = gateway_fixture("gw-sec", SETTINGS)

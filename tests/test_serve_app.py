@@ -126,7 +126,6 @@ def test_no_admin_key_is_made_where_its_print_would_land_in_rays_logs(ray_sessio
     assert serve_app.admin_key("127.0.0.1").generated  # a driver on loopback still gets one, printed to its user
 
 
-@pytest.mark.slow
 def test_python_serve_app_prints_url_and_a_generated_admin_key(config_file):
     port = free_port()
     process = subprocess.Popen(
@@ -150,7 +149,6 @@ def test_python_serve_app_prints_url_and_a_generated_admin_key(config_file):
         stop(process)
 
 
-@pytest.mark.slow
 def test_serve_run_serve_app_app(config_file):
     """`serve run` with an import path serves on Serve's default address, 127.0.0.1:8000."""
     with socket.socket() as probe:

@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -18,7 +17,6 @@ from rlgate.models import prepare_model
 from tests.support import free_port, lines
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
 
 
 def config(tmp_path, total_steps: int) -> Path:
