@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 STATE_REWRITE_BYTES = 2**20  # the state log is rewritten to its last line past this size
 
 
+RECOVER_S = 120.0  # how long a holder waits for a restarting CapacityActor before its call fails
+
+
 class HolderUnknown(Exception):
     """A restarted CapacityActor does not know this holder's count yet: reconcile first."""
 
@@ -359,12 +362,24 @@ class CapacityClient:
         return _RESTARTED
 
     async def _recover(self) -> None:
+        from ray.exceptions import RayActorError
+
         async with self._recovering:
             if not self._lost:
                 return
             async with self._settled:  # a call of ours applied after the count would count twice
                 await self._settled.wait_for(lambda: self._in_flight == 0)
-            await self.actor.reconcile.remote(self.count(), self.holder)
+            deadline, pause = time.monotonic() + RECOVER_S, 0.1
+            while True:
+                try:  # the actor may still be restarting (ActorUnavailableError): ask until it answers
+                    await self.actor.reconcile.remote(self.count(), self.holder)
+                    break
+                except RayActorError as err:
+                    if time.monotonic() > deadline:
+                        raise
+                    logger.info("capacity: reconciling %s waits for the actor's restart (%s)", self.holder, err)
+                    await asyncio.sleep(pause)
+                    pause = min(2 * pause, 2.0)
             self._lost = False
 
 

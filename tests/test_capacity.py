@@ -491,6 +491,42 @@ async def test_a_release_whose_answer_was_lost_counts_its_session_accepted_at_mo
     assert (stats["running"], stats["accepted"]) == (0, 2)  # the slot freed once; the session counted twice
 
 
+async def test_a_holder_waits_for_a_restarting_actor_before_it_reconciles(make_capacity):
+    """A call that met the actor's death is followed by a reconcile, which may
+    itself find the actor still restarting (ActorUnavailableError): the client
+    asks again until it answers, and the call that waited goes on (it failed the
+    start with a 500 before)."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    from actors.capacity import CapacityClient
+
+    capacity = make_capacity(2)
+    refusals = {"acquire": 1, "reconcile": 2}  # the acquire meets the death; two reconciles meet the restart
+
+    class Restarting:
+        def __init__(self, actor) -> None:
+            self.actor = actor
+
+        def __getattr__(self, name: str):
+            method = getattr(self.actor, name)
+
+            class Method:
+                @staticmethod
+                async def remote(*args):
+                    if refusals.get(name, 0) > 0:
+                        refusals[name] -= 1
+                        raise RayActorError() if name == "acquire" else ActorUnavailableError("restarting", None)
+                    return await method.remote(*args)
+
+            return Method
+
+    held: list[str] = []
+    client = CapacityClient(Restarting(capacity), "store", count=lambda: len(held))
+    assert await client.acquire()
+    assert refusals == {"acquire": 0, "reconcile": 0}
+    assert (await capacity.stats.remote())["running"] == 1  # counted once: reconciled to 0, then acquired
+
+
 async def test_the_state_written_on_every_change_does_not_grow_with_the_sessions_seen(tmp_path, ray_session):
     """Each acquire and release appends the state: counts and the groups under way,
     not every task seen, so a write costs the same after many sessions; the log is
