@@ -51,12 +51,13 @@ from rlgate.sessions import hash_key, new_key
 from rlgate.taskapp import TaskAppClient, TaskAppError, environment_key
 from rlgate.tasks import Episodes, builtin_episodes, evaluate, get_task, task_app_episodes
 from rlgate.trajectory_files import last_seq
-from serve_app import AdminKey, admin_key, build_app, resolve_model
+from serve_app import AdminKey, AdminKeyRefused, admin_key, build_app, resolve_model
 
 
 def main() -> int:
     args = parse_args()
     config = configured(args)
+    key = gateway_key(config, private=args.job_manager is not None)  # a refused key fails the run before it starts
     run_dir = Path(config.gateway.run_dir, config.gateway.run_name).resolve()
     start = resume_point(run_dir, args.resume)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -73,10 +74,11 @@ def main() -> int:
     wait_until_placeable(config, gpus, run_dir)
     if not args.resume:
         forget_earlier_run(config.gateway.run_name, run_dir)
-    url, key = serve_gateway(config, start.version, private=args.job_manager is not None)
+    url = serve_gateway(config, start.version, key)
     trainer = start_trainer(config, gpus, run_dir, start.first_command)
+    admit_under_the_rule(config, start.version)  # before any episode starts
     stopping = threading.Event()
-    episodes = start_episodes(config, url, key, stopping, task_app)
+    episodes = start_episodes(config, url, key.value, stopping, task_app)
     log = RunLog(run_dir, config.training.total_steps, start.step)
     progress = Progress(start.step, start.version)
     try:
@@ -87,7 +89,7 @@ def main() -> int:
             trainer,
             stopping,
             log,
-            partial(evaluation, config, url=url, key=key, task_app=task_app),
+            partial(evaluation, config, url=url, key=key.value, task_app=task_app),
         )
     except KeyboardInterrupt:
         print("rlgate: interrupted; writing the reward curve", file=sys.stderr)
@@ -189,9 +191,6 @@ def train(config: RLGateConfig, buffer_state: dict, progress: Progress, trainer,
         drop_equal_reward_groups=algorithm.drop_equal_reward_groups,
     )
     step, version = progress.step, progress.version
-    surviving(lambda: capacity.on_new_version.remote(version), "the policy version")  # a resumed run: its own
-    rule = (training.batch_size, training.max_staleness, training.group_size, training.group_timeout_s)
-    surviving(lambda: capacity.grant.remote(*rule), "the staleness rule")
     while step < training.total_steps:
         waited = time.monotonic()
         # whole groups of finished episodes that the current policy may train on
@@ -210,13 +209,24 @@ def train(config: RLGateConfig, buffer_state: dict, progress: Progress, trainer,
             driver_state={"step": step, "buffer": buffer.state()},
         )
         version += 1
+        progress.step, progress.version = step, version  # trained (and perhaps saved), whatever comes next
         synced = time.monotonic()
         served(policy, version, config.rollout.replicas)  # every engine serves v + 1
         surviving(lambda v=version: capacity.on_new_version.remote(v), "the new version")  # admit the next sessions
         summary = summarise(records, metrics, version, buffer, started, synced) | {"collect_s": started - waited}
         log.log(step, summary | evaluate_at(step))  # held-out seeds, every [evaluation] every_n_iters
         log.batch(step, [r["seq"] for r in records])
-        progress.step, progress.version = step, version
+
+
+def admit_under_the_rule(config: RLGateConfig, version: int) -> None:
+    """Tell the CapacityActor the policy version (a resumed run's own) and the
+    trainer's rule (batch, staleness, groups), before any episode starts: a
+    session admitted before would escape the staleness budget."""
+    training = config.training
+    capacity = get_actor(config.gateway.run_name, "capacity")
+    surviving(lambda: capacity.on_new_version.remote(version), "the policy version")
+    rule = (training.batch_size, training.max_staleness, training.group_size, training.group_timeout_s)
+    surviving(lambda: capacity.grant.remote(*rule), "the staleness rule")
 
 
 def finish(config: RLGateConfig, log: RunLog, progress: Progress) -> None:
@@ -248,14 +258,24 @@ def served(policy, version: int, replicas: int) -> None:
             time.sleep(1.0)
 
 
-def serve_gateway(config: RLGateConfig, version: int, private: bool = False) -> tuple[str, str]:
+def gateway_key(config: RLGateConfig, private: bool) -> AdminKey:
+    """The gateway's admin key: ``RLGATE_ADMIN_KEY`` (refused beyond loopback when
+    weak), or one made here. ``private``: an RL job's gateway, whose key this
+    process makes and shows to no one, so it may guard any port."""
+    if private:
+        return AdminKey(new_key("rlg-admin-"), False)
+    try:
+        return admin_key(config.gateway.host)
+    except AdminKeyRefused as refused:
+        raise SystemExit(str(refused)) from None
+
+
+def serve_gateway(config: RLGateConfig, version: int, key: AdminKey) -> str:
     """The gateway and rollout engines on Serve's HTTP proxy (one already running
-    keeps its own host and port); returns the URL and admin key. ``private``: an
-    RL job's gateway, whose admin key this process makes and shows to no one."""
+    keeps its own host and port, and each Gateway replica checks ``key`` against
+    that host); returns the URL agents use."""
     gateway = config.gateway
     host, port, prefix = gateway.host, gateway.port, gateway.route_prefix
-    # a job's key is made here and shown to no one, so it may guard any port
-    key = AdminKey(new_key("rlg-admin-"), False) if private else admin_key(host)
     quiet = {"enable_access_log": False}  # a line per request would bury the progress bar
     if "access_log" not in gateway.model_fields_set:
         gateway.access_log = False
@@ -269,7 +289,7 @@ def serve_gateway(config: RLGateConfig, version: int, private: bool = False) -> 
     print(f"rlgate: gateway at {url} (OpenAI base URL {url}/v1)", flush=True)
     if key.generated:
         print(f"rlgate: admin key (shown once; set RLGATE_ADMIN_KEY to choose it): {key.value}", flush=True)
-    return direct_url(config, address) or url, key.value
+    return direct_url(config, address) or url
 
 
 def direct_url(config: RLGateConfig, address: str) -> str | None:

@@ -362,7 +362,7 @@ class CapacityClient:
         return _RESTARTED
 
     async def _recover(self) -> None:
-        from ray.exceptions import RayActorError
+        from ray.exceptions import ActorUnavailableError
 
         async with self._recovering:
             if not self._lost:
@@ -374,7 +374,7 @@ class CapacityClient:
                 try:  # the actor may still be restarting (ActorUnavailableError): ask until it answers
                     await self.actor.reconcile.remote(self.count(), self.holder)
                     break
-                except RayActorError as err:
+                except ActorUnavailableError as err:  # restarting; a dead actor (ActorDiedError) fails at once
                     if time.monotonic() > deadline:
                         raise
                     logger.info("capacity: reconciling %s waits for the actor's restart (%s)", self.holder, err)

@@ -421,9 +421,10 @@ def test_a_fresh_run_takes_over_nothing_an_earlier_run_of_its_name_left(ray_sess
     or sessions inherited) and its session journal is set aside, not replayed."""
     from actors.capacity import get_or_create_capacity
     from actors.policy_store import get_or_create_policy_store
+    from rlgate.run import actor_name
     from train_driver import forget_earlier_run
 
-    run, run_dir = "rlgate-fresh-run", tmp_path / "fresh-run"
+    run, run_dir = "fresh-run", tmp_path / "fresh-run"
     journal = run_dir / "sessions" / "journal.jsonl"
     journal.parent.mkdir(parents=True)
     journal.write_text('{"op": "open"}\n')
@@ -433,16 +434,16 @@ def test_a_fresh_run_takes_over_nothing_an_earlier_run_of_its_name_left(ray_sess
         pass
 
     earlier = [
-        get_or_create_policy_store(f"{run}-policy", "rlgate", 0),
-        get_or_create_capacity(f"{run}-capacity", "rlgate", 4),
-        Sessions.options(name=f"{run}-sessions", namespace="rlgate", lifetime="detached").remote(),
+        get_or_create_policy_store(actor_name(run, "policy"), "rlgate", 0),
+        get_or_create_capacity(actor_name(run, "capacity"), "rlgate", 4),
+        Sessions.options(name=actor_name(run, "sessions"), namespace="rlgate", lifetime="detached").remote(),
     ]
     ray_session.get([actor.__ray_ready__.remote() for actor in earlier])
 
     forget_earlier_run(run, run_dir)
     for actor, suffix in zip(earlier, ("policy", "capacity", "sessions")):  # gone, and its name freed
         with pytest.raises(ValueError):
-            ray_session.get_actor(f"{run}-{suffix}", namespace="rlgate")
+            ray_session.get_actor(actor_name(run, suffix), namespace="rlgate")
         with pytest.raises(ray_session.exceptions.RayActorError):
             ray_session.get(actor.__ray_ready__.remote(), timeout=60)
     assert not journal.exists()

@@ -156,6 +156,16 @@ async def test_a_large_prompt_is_tokenised_off_the_event_loop(served, monkeypatc
         assert answer.status_code in (200, 400), answer.text  # the long one is past tiny-random's context
     assert threads[0] is threading.main_thread()
     assert threads[1] is not threading.main_thread() and threads[1].name.startswith("rlgate-tokenize")
+    # the size counts the tools too, not only the messages' text
+    tool = {"type": "function", "function": {"name": "f", "description": "d" * service.OFF_LOOP_CHARS}}
+    short = [{"role": "user", "content": "hi"}]
+    answer = await http.post(
+        "/v1/chat/completions",
+        json={"model": "tiny-random", "messages": short, "tools": [tool], "max_tokens": 2},
+        headers={"Authorization": f"Bearer {key}"},
+    )
+    assert answer.status_code in (200, 400), answer.text
+    assert threads[2].name.startswith("rlgate-tokenize")
     long = await http.post(
         "/v1/completions",
         json={"model": "tiny-random", "prompt": "word " * (service.OFF_LOOP_CHARS // 5 + 1), "max_tokens": 2},

@@ -36,11 +36,12 @@ class AdminKeyRefused(RuntimeError):
     """The admin key may not guard where the application would listen."""
 
 
-def refuse_public_bind(host: str, key_fit_for_public: bool) -> None:
+def refuse_public_bind(host: str | None, key_fit_for_public: bool) -> None:
     """Refuse to serve beyond loopback with an admin key that is weak or was
     generated and printed (a print in a Serve replica or build task lands in
-    Ray's log files). ``host`` is where Serve's proxies really listen."""
-    if not is_loopback(host) and not key_fit_for_public:
+    Ray's log files). ``host`` is where Serve's proxies really listen (None:
+    Serve runs no HTTP proxy, so nothing listens)."""
+    if host is not None and not is_loopback(host) and not key_fit_for_public:
         raise AdminKeyRefused(
             f"rlgate: refusing to serve on {host} (beyond loopback) with a weak or generated admin key: set "
             f"RLGATE_ADMIN_KEY (or RLGATE_ADMIN_KEY_FILE) to a long random key (at least {MIN_KEY_LENGTH} "

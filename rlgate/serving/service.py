@@ -43,13 +43,14 @@ from rlgate.trajectory import Interaction
 OFF_LOOP_CHARS = 32_768
 
 
-def prompt_chars(messages: list[dict]) -> int:
-    """About how many characters rendering ``messages`` will tokenise."""
-    total = 0
-    for message in messages:
-        content = message.get("content")
-        total += len(content) if isinstance(content, str) else len(json.dumps(content)) if content else 0
-    return total
+def prompt_chars(messages: list[dict], tools: list[dict] | None, request: api.ChatCompletionRequest) -> int:
+    """About how many characters rendering the prompt will tokenise: every
+    message's text, tool-call arguments and reasoning, and the tools."""
+    total = sum(len(m["content"] or "") for m in messages)
+    for message in request.messages:
+        total += len(message.reasoning_content or message.reasoning or "")
+        total += sum(len(str(call.function.arguments)) for call in message.tool_calls or ())
+    return total + (len(json.dumps(tools)) if tools else 0)
 
 
 if TYPE_CHECKING:  # the Ray-backed clients; tests may hand in any object with their methods
@@ -315,7 +316,7 @@ class GatewayService:
             if structured is not None:
                 params = params.model_copy(update={"structured": structured})
             prompt_ids, parent_id = await self._off_loop_if_large(
-                prompt_chars(messages), self._prompt, request, messages, tools, keys, parent
+                prompt_chars(messages, tools, request), self._prompt, request, messages, tools, keys, parent
             )
             self._check_prompt(prompt_ids)
             parsed_for = tools if self.tool_parser is not None and request.tool_choice != "none" else None
