@@ -172,7 +172,7 @@ def map_synth(data: dict, source: str = "config") -> Mapped:
         mode = (m.data.get(section) or {}).get("trainer_mode", "full")
         if mode != "full":
             m.get(section, "trainer_mode")
-            m.refuse(f"{section}.trainer_mode", f"{mode!r}: only full fine-tuning ('full') is supported; LoRA is not")
+            m.refuse(f"{section}.trainer_mode", f"only full fine-tuning ('full') is supported, not {mode!r}")
     m.get("model", "trainer_mode")
     m.put("gateway", "served_model_name", m.get("model", "label"))
     sampling = {key: m.get("policy", key) for key in SAMPLING if m.get("policy", key) is not None}

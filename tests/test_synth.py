@@ -101,12 +101,15 @@ def test_gpus_are_split_between_rollouts_and_training(compute, rollout_gpus, rep
     "change, message",
     [
         ({"model__source": "ft:job_1"}, r"model.source: continuing from a hosted checkpoint"),
-        ({"model__trainer_mode": "lora"}, r"model.trainer_mode: 'lora': only full fine-tuning"),
+        (
+            {"model__trainer_mode": "lora"},
+            r"model.trainer_mode: only full fine-tuning \('full'\) is supported, not 'lora'",
+        ),
         ({"algorithm__type": "offline"}, r"algorithm.type: only 'online'"),
         ({"algorithm__variety": "ppo"}, r"algorithm.variety: Input should be"),
         ({"training__weight_sync_interval": 4}, r"training.weight_sync_interval: weights are pushed after every step"),
         ({"training__lora": {"r": 8}}, r"training.lora: LoRA is not supported"),
-        ({"policy__trainer_mode": "lora"}, r"policy.trainer_mode: 'lora': only full fine-tuning"),
+        ({"policy__trainer_mode": "lora"}, r"policy.trainer_mode: only full fine-tuning"),
         ({"policy__source": "ft:job_1"}, r"policy.source: continuing from a hosted checkpoint"),
         ({"policy__model_name": "Qwen/Qwen3-4B"}, r"policy.model_name: 'Qwen/Qwen3-4B' differs from \[model\] base"),
         ({"training__weight_sync": {"bogus": 1}}, r"training.weight_sync.bogus: unknown key"),
