@@ -32,9 +32,9 @@ endif
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The unit tier alone: no Ray, no vLLM engine (tests/conftest.py assigns the tiers).
+# The unit tier alone: no Ray, no vLLM engine.
 test-fast: install
-	$(PY) -m pytest -m unit $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 # A fresh run each time: runs/demo-<time>/ (metrics.jsonl, reward_curve.png, checkpoints).
 demo: install

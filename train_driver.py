@@ -74,7 +74,7 @@ def main() -> int:
     wait_until_placeable(config, gpus, run_dir)
     if not args.resume:
         forget_earlier_run(config.gateway.run_name, run_dir)
-    url = serve_gateway(config, start.version, key)
+    url, started_serve = serve_gateway(config, start.version, key)
     trainer = start_trainer(config, gpus, run_dir, start.first_command)
     admit_under_the_rule(config, start.version)  # before any episode starts
     stopping = threading.Event()
@@ -98,7 +98,7 @@ def main() -> int:
         if episodes is not None:
             episodes.stop()
         trainer.stop()
-        finish(config, log, progress)
+        finish(config, log, progress, started_serve)
     if episodes is not None and episodes.stats.fatal is not None:
         print(f"rlgate: stopped: the environment is down: {episodes.stats.fatal}", file=sys.stderr)
         return 1
@@ -229,8 +229,9 @@ def admit_under_the_rule(config: RLGateConfig, version: int) -> None:
     surviving(lambda: capacity.grant.remote(*rule), "the staleness rule")
 
 
-def finish(config: RLGateConfig, log: RunLog, progress: Progress) -> None:
-    """The log closed, the curve drawn, the run's application deleted (and Serve, if nothing else is served)."""
+def finish(config: RLGateConfig, log: RunLog, progress: Progress, started_serve: bool) -> None:
+    """The log closed, the curve drawn, the run's application deleted (and Serve,
+    when this run started it and nothing else is served)."""
     log.close()
     plot = log.plot()
     print(
@@ -238,7 +239,7 @@ def finish(config: RLGateConfig, log: RunLog, progress: Progress) -> None:
         + (f", reward curve {plot}" if plot else "")
     )
     serve.delete(app_name(config.gateway.run_name, config.gateway.route_prefix))
-    if not serve.status().applications:  # nothing else is served here
+    if started_serve and not serve.status().applications:
         serve.shutdown()
 
 
@@ -270,18 +271,24 @@ def gateway_key(config: RLGateConfig, private: bool) -> AdminKey:
         raise SystemExit(str(refused)) from None
 
 
-def serve_gateway(config: RLGateConfig, version: int, key: AdminKey) -> str:
-    """The gateway and rollout engines on Serve's HTTP proxy (one already running
-    keeps its own host and port, and each Gateway replica checks ``key`` against
-    that host); returns the URL agents use."""
+def serve_gateway(config: RLGateConfig, version: int, key: AdminKey) -> tuple[str, bool]:
+    """The gateway and rollout engines on Serve's HTTP proxy (a Serve already
+    running keeps its own host and port, and each Gateway replica checks ``key``
+    against that host); returns the URL agents use, and whether this run started Serve."""
+    from ray.serve.context import _get_global_client
+
     gateway = config.gateway
     host, port, prefix = gateway.host, gateway.port, gateway.route_prefix
     quiet = {"enable_access_log": False}  # a line per request would bury the progress bar
     if "access_log" not in gateway.model_fields_set:
         gateway.access_log = False
-    # One proxy, on the head: agents use one address (a proxy per node would also collide on a shared host).
-    http = {"host": host, "port": port}
-    serve.start(proxy_location="HeadOnly", http_options=http, logging_config=quiet, **serve_start_options())
+    running = _get_global_client(raise_if_no_controller_running=False)
+    if running is None:
+        # One proxy, on the head: agents use one address (a proxy per node would also collide on a shared host).
+        http = {"host": host, "port": port}
+        serve.start(proxy_location="HeadOnly", http_options=http, logging_config=quiet, **serve_start_options())
+    else:
+        host, port = running.http_config.host, running.http_config.port
     app = build_app(config, hash_key(key.value), initial_version=version, key_fit_for_public=key.fit_for_public)
     serve.run(app, name=app_name(config.gateway.run_name, prefix), route_prefix=prefix, logging_config=quiet)
     address = "127.0.0.1" if host in ("0.0.0.0", "::") else host
@@ -289,7 +296,7 @@ def serve_gateway(config: RLGateConfig, version: int, key: AdminKey) -> str:
     print(f"rlgate: gateway at {url} (OpenAI base URL {url}/v1)", flush=True)
     if key.generated:
         print(f"rlgate: admin key (shown once; set RLGATE_ADMIN_KEY to choose it): {key.value}", flush=True)
-    return direct_url(config, address) or url
+    return direct_url(config, address) or url, running is None
 
 
 def direct_url(config: RLGateConfig, address: str) -> str | None:

@@ -5,9 +5,6 @@ suite fast)."""
 from __future__ import annotations
 
 import os
-import re
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -22,36 +19,15 @@ from rlgate.models import prepare_model
 from rlgate.serving.routing import serve_start_options
 from tests.support import free_port
 
-needs_vllm = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed")
-
-# Every key rlgate makes (rlgate.sessions.new_key): session keys rlg-<secret> and
-# rlg<slot>-<secret>, RL job keys rlg-job-<secret>, admin keys rlg-admin-<secret>
-# (a job's gateway, a generated one), the secret being 256 bits in 43 URL-safe
-# characters. Tests grep for the pattern, so keys no test ever sees count too.
-GENERATED_KEY = re.compile(rb"rlg\d*-(?:job-|admin-)?[A-Za-z0-9_-]{43}")
-
-
-def generated_keys(data: bytes | str) -> list[str]:
-    """The generated keys in ``data``."""
-    data = data.encode() if isinstance(data, str) else data
-    return [found.decode() for found in GENERATED_KEY.findall(data)]
-
-
-# Test tiers (`pytest -m unit|integration|system`; `make test-fast` runs the unit tier):
-# system tests run their own clusters or processes (the driver, `serve run`, a
-# two-node cluster) or kill parts of the system; integration tests use the shared
-# Ray session or start a vLLM engine; the rest are unit tests (seconds each).
-SYSTEM_MODULES = {"test_cluster", "test_training", "test_faults", "test_serve_app", "test_cli"}
-INTEGRATION_FIXTURES = {"ray_session", "vllm_engine", "smollm2_vllm"}
+# Test tiers are folders: tests/unit (no Ray, no vLLM: seconds each), tests/integration
+# (the shared Ray session below, real Serve apps and engines), tests/system (the driver,
+# `serve run`, jobs, a two-node cluster, kill tests). Each test is also marked with its
+# tier, so `pytest -m unit` works from anywhere.
+TIERS = ("unit", "integration", "system")
 
 
 def tier(item) -> str:
-    if item.module.__name__.rsplit(".", 1)[-1] in SYSTEM_MODULES:
-        return "system"
-    fixtures = set(getattr(item, "fixturenames", ()))
-    if fixtures & INTEGRATION_FIXTURES or ("engine" in fixtures and "[vllm]" in item.nodeid):
-        return "integration"
-    return "unit"
+    return next(part for part in item.path.relative_to(Path(__file__).parent).parts if part in TIERS)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -139,97 +115,6 @@ def ray_session():
     yield ray
     serve.shutdown()
     ray.shutdown()
-
-
-@dataclass
-class GatewayApp:
-    """A running gateway application: its base URL (the app root), admin key,
-    settings, run folder, and a handle to its engines (the RolloutServer, or the
-    Gateway itself when colocated)."""
-
-    name: str
-    url: str
-    admin_key: str
-    config: object
-    run_dir: Path
-    rollout: object
-
-    @property
-    def admin(self) -> dict:
-        return {"Authorization": f"Bearer {self.admin_key}"}
-
-    def start_session(self, task_id: str = "task", **body) -> dict:
-        import httpx
-
-        response = httpx.post(f"{self.url}/rl/start_session", json={"task_id": task_id, **body}, headers=self.admin)
-        assert response.status_code == 200, response.text
-        return response.json()
-
-    def trajectories(self, since: int = 0) -> list[dict]:
-        import json
-
-        import httpx
-
-        response = httpx.get(f"{self.url}/rl/trajectories", params={"since": since}, headers=self.admin)
-        assert response.status_code == 200, response.text
-        return [json.loads(line) for line in response.text.splitlines()]
-
-
-def start_gateway(ray_session, tmp_path_factory, name: str, settings: dict) -> GatewayApp:
-    """Deploy a gateway app under ``/<name>`` on the shared Serve proxy."""
-    import secrets
-
-    from ray import serve
-
-    from rlgate.config import parse_config
-    from rlgate.sessions import hash_key
-    from serve_app import build_app
-
-    run_root = tmp_path_factory.mktemp(name)
-    settings = {**settings, "gateway": {"run_dir": str(run_root), "run_name": name, **settings.get("gateway", {})}}
-    config = parse_config(settings)
-    admin_key = "test-admin-" + secrets.token_hex(16)
-    serve.run(build_app(config, hash_key(admin_key)), name=name, route_prefix=f"/{name}")
-    rollout = serve.get_deployment_handle("Gateway" if config.gateway.colocate else "RolloutServer", app_name=name)
-    return GatewayApp(name, f"{ray_session.serve_url}/{name}", admin_key, config, run_root / name, rollout)
-
-
-def gateway_fixture(name: str, settings: dict):
-    """A module-scoped fixture: a gateway app under ``/<name>``, deleted after the module."""
-
-    @pytest.fixture(scope="module")
-    def deployed(ray_session, tmp_path_factory):
-        from ray import serve
-
-        app = start_gateway(ray_session, tmp_path_factory, name, settings)
-        yield app
-        serve.delete(name)
-
-    return deployed
-
-
-@contextmanager
-def serve_asgi(app):
-    """Serve an ASGI app (e.g. a task app) with uvicorn on a free loopback port,
-    in a thread; yields its base URL."""
-    import threading
-    import time
-
-    import uvicorn
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the ASGI app did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.fixture

@@ -1,18 +1,23 @@
-"""Helpers shared by test modules that are not fixtures."""
+"""Helpers shared by test modules (the fixtures are in conftest.py, which uses these too)."""
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from rlgate.config import parse_config
+from rlgate.engines import vllm_installed
 from rlgate.serving.auth import Auth
 from rlgate.serving.clients import JobsClient, LocalEngine
 from rlgate.serving.owned import LocalSessions
@@ -294,3 +299,109 @@ def until_served(call, seconds: float = 180):
             pass
         assert time.monotonic() < deadline, "no replica took over"
         time.sleep(0.5)
+
+
+needs_vllm = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed")
+
+# Every key rlgate makes (rlgate.sessions.new_key): session keys rlg-<secret> and
+# rlg<slot>-<secret>, RL job keys rlg-job-<secret>, admin keys rlg-admin-<secret>
+# (a job's gateway, a generated one), the secret being 256 bits in 43 URL-safe
+# characters. Tests grep for the pattern, so keys no test ever sees count too.
+GENERATED_KEY = re.compile(rb"rlg\d*-(?:job-|admin-)?[A-Za-z0-9_-]{43}")
+
+
+def generated_keys(data: bytes | str) -> list[str]:
+    """The generated keys in ``data``."""
+    data = data.encode() if isinstance(data, str) else data
+    return [found.decode() for found in GENERATED_KEY.findall(data)]
+
+
+@dataclass
+class GatewayApp:
+    """A running gateway application: its base URL (the app root), admin key,
+    settings, run folder, and a handle to its engines (the RolloutServer, or the
+    Gateway itself when colocated)."""
+
+    name: str
+    url: str
+    admin_key: str
+    config: object
+    run_dir: Path
+    rollout: object
+
+    @property
+    def admin(self) -> dict:
+        return {"Authorization": f"Bearer {self.admin_key}"}
+
+    def start_session(self, task_id: str = "task", **body) -> dict:
+        import httpx
+
+        response = httpx.post(f"{self.url}/rl/start_session", json={"task_id": task_id, **body}, headers=self.admin)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def trajectories(self, since: int = 0) -> list[dict]:
+        import json
+
+        import httpx
+
+        response = httpx.get(f"{self.url}/rl/trajectories", params={"since": since}, headers=self.admin)
+        assert response.status_code == 200, response.text
+        return [json.loads(line) for line in response.text.splitlines()]
+
+
+def start_gateway(ray_session, tmp_path_factory, name: str, settings: dict) -> GatewayApp:
+    """Deploy a gateway app under ``/<name>`` on the shared Serve proxy."""
+    import secrets
+
+    from ray import serve
+
+    from rlgate.config import parse_config
+    from rlgate.sessions import hash_key
+    from serve_app import build_app
+
+    run_root = tmp_path_factory.mktemp(name)
+    settings = {**settings, "gateway": {"run_dir": str(run_root), "run_name": name, **settings.get("gateway", {})}}
+    config = parse_config(settings)
+    admin_key = "test-admin-" + secrets.token_hex(16)
+    serve.run(build_app(config, hash_key(admin_key)), name=name, route_prefix=f"/{name}")
+    rollout = serve.get_deployment_handle("Gateway" if config.gateway.colocate else "RolloutServer", app_name=name)
+    return GatewayApp(name, f"{ray_session.serve_url}/{name}", admin_key, config, run_root / name, rollout)
+
+
+def gateway_fixture(name: str, settings: dict):
+    """A module-scoped fixture: a gateway app under ``/<name>``, deleted after the module."""
+
+    @pytest.fixture(scope="module")
+    def deployed(ray_session, tmp_path_factory):
+        from ray import serve
+
+        app = start_gateway(ray_session, tmp_path_factory, name, settings)
+        yield app
+        serve.delete(name)
+
+    return deployed
+
+
+@contextmanager
+def serve_asgi(app):
+    """Serve an ASGI app (e.g. a task app) with uvicorn on a free loopback port,
+    in a thread; yields its base URL."""
+    import threading
+    import time
+
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the ASGI app did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

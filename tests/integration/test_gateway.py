@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from rlgate.models import CALCULATOR_TOOL, TOOL_PROBLEMS, prepare_model
-from tests.conftest import gateway_fixture
+from tests.support import gateway_fixture
 
 SETTINGS = {
     "model": {"name": "tiny-tools"},
@@ -540,7 +540,7 @@ def test_a_task_app_plays_a_multi_turn_tool_episode_through_the_scoped_url(gw):
     app needs no key of ours, and the session records one exact sequence."""
     from examples.tool_task_app import app, problem
     from rlgate.taskapp import EnvSpec, PolicySpec, RolloutRequest, TaskAppClient
-    from tests.conftest import serve_asgi
+    from tests.support import serve_asgi
 
     seed = next(s for s in range(10_000) if problem(s)[0] in TOOL_PROBLEMS)  # one tiny-tools has learned
     session = gw.start_session("calc-seed")

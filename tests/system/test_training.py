@@ -1,6 +1,9 @@
-"""train_driver.py end to end, as a user runs it: its own local Ray, the gateway
-and a real engine on tiny-random, episodes from the built-in agent through
-HTTP, GRPO steps on Ray Train, weights pushed to the engine, then a resume."""
+"""train_driver.py end to end, as a user runs it: the gateway and a real engine
+on tiny-random, episodes from the built-in agent (or external agents) through
+HTTP, GRPO steps on Ray Train, weights pushed to the engine, a killed worker,
+Ctrl-C, then a resume. The run that tests start-up starts its own local Ray; the
+others join the test session's cluster and its Serve proxy, as ``ray job submit``
+runs do on a long-lived cluster."""
 
 from __future__ import annotations
 
@@ -8,18 +11,19 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from rlgate.models import prepare_model
-from tests.support import free_port, lines
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support import ROOT, free_port, lines
 
 
-def config(tmp_path, total_steps: int) -> Path:
+def config(tmp_path, total_steps: int, save_every: int = 2) -> Path:
+    """A run of the built-in task, on its own local Ray."""
     path = tmp_path / f"train-{total_steps}.toml"
     path.write_text(f"""
 [model]
@@ -36,13 +40,32 @@ batch_size = 8
 group_size = 4
 learning_rate = 3e-3
 total_steps = {total_steps}
-save_every = 2
+save_every = {save_every}
 [task]
 builtin = "vowels"
 max_concurrent = 8
 max_tokens = 12
 """)
     return path
+
+
+@dataclass
+class Joined:
+    """The test session's cluster, for a driver to join: its address and Serve's port."""
+
+    address: str
+    port: int
+    url: str
+
+    @property
+    def env(self) -> dict:
+        return {"RAY_ADDRESS": self.address}
+
+
+@pytest.fixture(scope="module")
+def joined(ray_session) -> Joined:
+    port = int(ray_session.serve_url.rsplit(":", 1)[1])
+    return Joined(ray_session.get_runtime_context().gcs_address, port, ray_session.serve_url)
 
 
 def driver_env(admin_key: str = "train-test-admin-key-0123") -> dict:
@@ -69,70 +92,30 @@ def train(
     )
 
 
-def start_driver(path: Path, admin_key: str = "train-test-admin-key-0123") -> subprocess.Popen:
+def start_driver(path: Path, admin_key: str = "train-test-admin-key-0123", env: dict | None = None) -> subprocess.Popen:
     """train_driver.py in the background, its output (both streams) on a pipe."""
     return subprocess.Popen(
         [sys.executable, "train_driver.py", "--config", str(path)],
         cwd=ROOT,
-        env=driver_env(admin_key),
+        env=driver_env(admin_key) | (env or {}),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
 
 
-def test_train_sync_checkpoint_and_resume(tmp_path):
-    first = train(config(tmp_path, total_steps=3))
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    run = tmp_path / "runs" / "e2e"
-    metrics = lines(run / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [1, 2, 3] and [m["version"] for m in metrics] == [1, 2, 3]
-    for m in metrics:
-        # the engine sampled these tokens with the weights the trainer holds: the push was exact
-        assert m["train_logprob_mismatch_max"] < 1e-4
-        assert m["staleness"] == 0 and m["dropped"] == 0  # S = 0: nothing older than the current version
-        assert m["samples"] == 8
-    assert (run / "reward_curve.png").stat().st_size > 0
-
-    # The checkpoint is a Hugging Face folder whose weights moved away from the start.
-    states = {p.parent: json.loads(p.read_text()) for p in run.glob("trainer/checkpoint_*/trainer_state.json")}
-    latest = max(states, key=lambda p: states[p]["next_command"])
-    assert states[latest]["version"] == 3
-    trained = load_file(latest / "model" / "model.safetensors")
-    start = load_file(prepare_model("tiny-random") / "model.safetensors")
-    assert any(not torch.equal(trained[name], start[name]) for name in start)
-
-    resumed = train(config(tmp_path, total_steps=5), "--resume")
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    metrics = lines(run / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5] and metrics[-1]["version"] == 5
-    assert all(m["train_logprob_mismatch_max"] < 1e-4 for m in metrics[3:])  # engines restarted on trained weights
-
-    # Every step trained on trajectories no other step used, and each was sampled by the version it trained.
-    batches = lines(run / "batches.jsonl")
-    used = [seq for b in batches for seq in b["seqs"]]
-    assert len(used) == len(set(used)) == 5 * 8
-    records = {r["seq"]: r for f in sorted((run / "trajectories").glob("*.jsonl")) for r in lines(f)}
-    for batch in batches:
-        for seq in batch["seqs"]:
-            sampled = {v for m, v in zip(records[seq]["loss_mask"], records[seq]["versions"]) if m}
-            assert sampled == {batch["step"] - 1}
-
-    again = train(config(tmp_path, total_steps=5))
-    assert again.returncode != 0 and "already has checkpoints; pass --resume" in again.stderr
-
-
-def test_a_killed_trainer_worker_and_an_interrupted_run_lose_and_repeat_nothing(tmp_path):
-    """SIGKILL the Ray Train worker after step 1: Ray Train restarts it from the
-    step-1 checkpoint and the run goes on. Ctrl-C (SIGINT) after step 2, then
-    --resume: the run finishes from its checkpoint at the right version."""
+def test_a_run_survives_a_killed_worker_and_ctrl_c_then_resumes_from_its_checkpoint(tmp_path):
+    """Its own local Ray, as `python train_driver.py` on a laptop. SIGKILL the Ray
+    Train worker after step 1: Ray Train restarts it from the step-1 checkpoint
+    and the run goes on. Ctrl-C (SIGINT) after step 2, then ``rlgate train
+    --resume`` with more steps: the run finishes from its checkpoint at the right
+    version, on exact weights, having trained no trajectory twice."""
     import signal
     import time
 
     import psutil
 
-    path = config(tmp_path, total_steps=3)
-    path.write_text(path.read_text().replace("save_every = 2", "save_every = 1"))
+    path = config(tmp_path, total_steps=3, save_every=1)
     run = tmp_path / "runs" / "e2e"
     driver = start_driver(path)
 
@@ -166,13 +149,19 @@ def test_a_killed_trainer_worker_and_an_interrupted_run_lose_and_repeat_nothing(
     stopped_at = steps()
     assert stopped_at in (2, 3)  # a step under way when Ctrl-C came may finish first
 
-    resumed = train(path, "--resume", command="rlgate")  # `rlgate train` with no gateway: the run, here
+    more = config(tmp_path, total_steps=4, save_every=1)
+    resumed = train(more, "--resume", command="rlgate")  # `rlgate train` with no gateway: the run, here
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     metrics = lines(run / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [1, 2, 3] and [m["version"] for m in metrics] == [1, 2, 3]
-    assert all(m["train_logprob_mismatch_max"] < 1e-4 for m in metrics)  # the restarted worker held the weights
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4] and [m["version"] for m in metrics] == [1, 2, 3, 4]
+    for m in metrics:
+        # the engine sampled these tokens with the weights the trainer holds: every push was exact,
+        # the restarted worker held the weights, the resumed engines started on the trained ones
+        assert m["train_logprob_mismatch_max"] < 1e-4
+        assert m["staleness"] == 0 and m["dropped"] == 0  # S = 0: nothing older than the current version
+        assert m["samples"] == 8
     used = [seq for b in lines(run / "batches.jsonl") for seq in b["seqs"]]
-    assert len(used) == len(set(used)) == 3 * 8  # no trajectory trained twice, every batch whole
+    assert len(used) == len(set(used)) == 4 * 8  # no trajectory trained twice, every batch whole
     records = {r["seq"]: r for f in sorted((run / "trajectories").glob("*.jsonl")) for r in lines(f)}
     for batch in lines(run / "batches.jsonl"):  # each step trained what the version before it sampled
         assert all(
@@ -180,8 +169,19 @@ def test_a_killed_trainer_worker_and_an_interrupted_run_lose_and_repeat_nothing(
             for seq in batch["seqs"]
         )
 
+    # The latest checkpoint is a Hugging Face folder whose weights moved away from the start.
+    states = {p.parent: json.loads(p.read_text()) for p in run.glob("trainer/checkpoint_*/trainer_state.json")}
+    latest = max(states, key=lambda p: states[p]["next_command"])
+    assert states[latest]["version"] == 4
+    trained = load_file(latest / "model" / "model.safetensors")
+    start = load_file(prepare_model("tiny-random") / "model.safetensors")
+    assert any(not torch.equal(trained[name], start[name]) for name in start)
 
-def test_online_mode_trains_on_external_agents_within_the_staleness_bound(tmp_path):
+    again = train(more)  # refused before anything starts
+    assert again.returncode != 0 and "already has checkpoints; pass --resume" in again.stderr
+
+
+def test_online_mode_trains_on_external_agents_within_the_staleness_bound(tmp_path, joined):
     """Online mode: no built-in task. The driver serves and waits; concurrent
     external agents (the official openai client, two turns with a pause between)
     drive the sessions; with S = 1 no trained token is more than one version old."""
@@ -191,7 +191,7 @@ def test_online_mode_trains_on_external_agents_within_the_staleness_bound(tmp_pa
     import httpx
     import openai
 
-    port, steps, batch, group, staleness = free_port(), 4, 4, 2, 1
+    steps, batch, group, staleness = 4, 4, 2, 1
     path = tmp_path / "online.toml"
     path.write_text(f"""
 [model]
@@ -202,7 +202,8 @@ kv_cache_gib = 0.5
 [gateway]
 run_name = "online"
 run_dir = "{tmp_path / "runs"}"
-port = {port}
+port = {joined.port}
+route_prefix = "/online"
 [training]
 batch_size = {batch}
 group_size = {group}
@@ -210,8 +211,8 @@ learning_rate = 3e-3
 max_staleness = {staleness}
 total_steps = {steps}
 """)
-    driver = start_driver(path, "online-test-admin-key-0123")
-    url, admin = f"http://127.0.0.1:{port}", {"Authorization": "Bearer online-test-admin-key-0123"}
+    driver = start_driver(path, "online-test-admin-key-0123", env=joined.env)
+    url, admin = f"{joined.url}/online", {"Authorization": "Bearer online-test-admin-key-0123"}
     run = tmp_path / "runs" / "online"
     try:
         deadline = time.monotonic() + 300
@@ -332,7 +333,7 @@ def test_a_run_the_cluster_can_never_hold_stops_before_anything_is_deployed(tmp_
 
 
 def task_app_config(
-    tmp_path, task_url: str, total_steps: int = 2, down_after_s: float = 120, hosts: str = '["127.0.0.1"]'
+    tmp_path, task_url: str, joined: Joined, total_steps: int = 2, down_after_s: float = 120, hosts='["127.0.0.1"]'
 ) -> Path:
     path = tmp_path / "taskapp.toml"
     path.write_text(f"""
@@ -344,7 +345,8 @@ kv_cache_gib = 0.5
 [gateway]
 run_name = "taskapp"
 run_dir = "{tmp_path / "runs"}"
-port = {free_port()}
+port = {joined.port}
+route_prefix = "/taskapp"
 [services]
 task_url = "{task_url}"
 [jobs]
@@ -364,27 +366,27 @@ total_steps = {total_steps}
     return path
 
 
-def test_a_task_app_that_stays_down_stops_the_run_with_its_reason(tmp_path):
+def test_a_task_app_that_stays_down_stops_the_run_with_its_reason(tmp_path, joined):
     from rlgate.taskapp import create_task_app
-    from tests.conftest import serve_asgi
+    from tests.support import serve_asgi
 
     async def down(episode):
         raise ConnectionError("database unreachable")
 
     with serve_asgi(create_task_app("math", down, api_key="")) as url:
-        result = train(task_app_config(tmp_path, url, down_after_s=3))
+        result = train(task_app_config(tmp_path, url, joined, down_after_s=3), env=joined.env)
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert "the environment is down: every episode for" in result.stderr
     assert "POST /rollout: 500 Internal Server Error (application/json" in result.stderr
     assert "database unreachable" not in result.stderr  # the task app's answer is not repeated (its log has it)
 
 
-def test_a_task_app_the_config_does_not_allow_is_never_called(tmp_path):
+def test_a_task_app_the_config_does_not_allow_is_never_called(tmp_path, joined):
     """A task app on loopback, with [jobs] task_app_hosts not listing it: the driver
     refuses before any request reaches the app, naming the host and the setting."""
     from fastapi import FastAPI, Request
 
-    from tests.conftest import serve_asgi
+    from tests.support import serve_asgi
 
     app, seen = FastAPI(), []
 
@@ -394,7 +396,7 @@ def test_a_task_app_the_config_does_not_allow_is_never_called(tmp_path):
         return {}
 
     with serve_asgi(app) as url:
-        result = train(task_app_config(tmp_path, url, hosts="[]"))
+        result = train(task_app_config(tmp_path, url, joined, hosts="[]"), env=joined.env)
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "rlgate: task app check failed: GET " in result.stderr
     assert "task app host '127.0.0.1' resolves to 127.0.0.1, a loopback address" in result.stderr

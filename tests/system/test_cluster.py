@@ -25,9 +25,8 @@ import yaml
 
 from rlgate.config import load_config
 from rlgate.placement import ROLLOUT_RESOURCE, TRAINER_RESOURCE
-from tests.support import free_port, lines
+from tests.support import ROOT, free_port, lines
 
-ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the ray and serve commands of this environment
 ADMIN_KEY = "cluster-test-admin-key-0123456789"
 

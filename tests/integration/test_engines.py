@@ -7,8 +7,7 @@ import asyncio
 import pytest
 
 from rlgate.engines import SamplingParams, collect
-from tests.conftest import needs_vllm
-from tests.support import assert_same_greedy
+from tests.support import assert_same_greedy, needs_vllm
 
 EOS = 2  # <|im_end|> in tiny-random
 

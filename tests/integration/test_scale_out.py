@@ -15,8 +15,7 @@ import httpx
 import openai
 
 from rlgate.serving.auth import key_slot
-from tests.conftest import gateway_fixture
-from tests.support import free_port, key_of, prompt_len, until_served
+from tests.support import free_port, gateway_fixture, key_of, prompt_len, until_served
 
 NAME = "gw-scale"
 SETTINGS = {

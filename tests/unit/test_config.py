@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import tomllib
-from pathlib import Path
 
 import pytest
 
 from rlgate.config import ConfigError, dump_config, load_config, parse_config
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support import ROOT
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)

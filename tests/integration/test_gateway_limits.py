@@ -12,7 +12,7 @@ import openai
 import psutil
 import pytest
 
-from tests.conftest import gateway_fixture
+from tests.support import gateway_fixture
 
 SETTINGS = {
     "model": {"name": "tiny-random"},

@@ -15,8 +15,7 @@ import pytest
 import ray
 
 from rlgate.client import RLGateError, RLJob
-from tests.conftest import generated_keys, serve_asgi, start_gateway
-from tests.support import free_port, synth_ai_env, synth_ai_python
+from tests.support import free_port, generated_keys, serve_asgi, start_gateway, synth_ai_env, synth_ai_python
 
 TASK_APP_KEY = "env-key-for-the-jobs-tests"
 

@@ -10,7 +10,7 @@ import pytest
 from fastapi import FastAPI, Request
 
 from rlgate.egress import Allowlist, GuardedTransport, TargetRefused, check_url, target, vet
-from tests.conftest import serve_asgi
+from tests.support import serve_asgi
 
 NOTHING = Allowlist.parse([])
 

@@ -22,7 +22,7 @@ from rlgate.taskapp import (
     TaskAppError,
     create_task_app,
 )
-from tests.conftest import serve_asgi
+from tests.support import serve_asgi
 
 
 def fake_policy(reply: str) -> FastAPI:

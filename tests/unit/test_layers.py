@@ -9,7 +9,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support import ROOT
+
 ENTRY_POINTS = {"serve_app", "train_driver"}
 LAYER_OF = {"rlgate": 0, "actors": 1, **dict.fromkeys(ENTRY_POINTS, 2)}
 # Arrows that still run backwards, each to be folded away (the CLI's commands run

@@ -16,7 +16,7 @@ from actors.job_manager import JobManager
 from rlgate import jobs
 from rlgate.config import load_config
 from rlgate.sessions import SessionError
-from tests.conftest import generated_keys
+from tests.support import generated_keys
 
 TASK_APP_KEY = "task-app-key-of-the-unit-tests-0123456789"
 TASK_APP = "http://127.0.0.1:8201"

@@ -18,9 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.support import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support import ROOT, free_port
 
 
 @pytest.fixture

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import gateway_fixture, generated_keys
-from tests.support import free_port
+from tests.support import free_port, gateway_fixture, generated_keys
 
 SETTINGS = {
     "model": {"name": "tiny-random"},

@@ -12,8 +12,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from rlgate.config import load_config
 from rlgate.placement import plan, unplaceable
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support import ROOT
 
 
 def pod_resources(group: dict) -> dict[str, float]:

@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from rlgate import client as sdk
-from tests.conftest import serve_asgi
+from tests.support import serve_asgi
 
 ADMIN = "admin-key-for-the-sdk-tests"
 

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from rlgate.models import ModelNotFoundError, prepare_model
-from tests.conftest import needs_vllm
+from tests.support import needs_vllm
 
 
 def _digest(folder):

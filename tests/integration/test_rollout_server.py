@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -11,8 +10,7 @@ from safetensors.torch import load_file
 from rlgate.config import load_config
 from rlgate.engines import SamplingParams
 from rlgate.parity import _one_optimizer_step, _reference_logprobs
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support import ROOT
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,7 @@ import psutil
 import pytest
 
 from rlgate.parity import _reference_logprobs
-from tests.conftest import gateway_fixture
-from tests.support import free_port, key_of, prompt_len, publish_perturbed, until_served
+from tests.support import free_port, gateway_fixture, key_of, prompt_len, publish_perturbed, until_served
 
 NAME = "gw-colo"
 SETTINGS = {

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import start_gateway
+from tests.support import start_gateway
 
 SETTINGS = {
     "model": {"name": "tiny-random"},
