@@ -289,43 +289,6 @@ def test_jobs_queue_beyond_capacity_and_cancel_mid_run(jobsgw, task_app, tmp_pat
         time.sleep(1)
 
 
-def test_a_job_the_busy_cluster_cannot_start_yet_says_why_and_starts_when_it_can(jobsgw, task_app):
-    """Every free CPU taken by other actors: the job runs its driver, which waits,
-    saying what it needs and who holds it (status and events). Then one CPU frees,
-    as a two-CPU machine has beside configs/serve.toml's engine: the job starts
-    in it and runs to completion ([jobs] cpus_per_bundle: 0.5 CPU for its rollout
-    replica, 0.5 for its trainer worker)."""
-
-    @ray.remote
-    class Hog:
-        def ready(self) -> bool:
-            return True
-
-    free = ray.available_resources().get("CPU", 0.0)
-    assert free >= 1.0, f"the test needs a free CPU to give the job, {free} free"
-    rest = Hog.options(num_cpus=free - 1.0, name="cpu-hog-that-stays", namespace="rlgate").remote()
-    hog = Hog.options(num_cpus=1.0, name="cpu-hog-of-the-test", namespace="rlgate").remote()
-    ray.get([rest.ready.remote(), hog.ready.remote()])
-    job = RLJob(jobsgw.url, jobsgw.admin_key, payload(task_app))
-    try:
-        job.submit()
-        deadline = time.monotonic() + 300
-        while (status := job.get_status())["waiting"] is None:
-            assert status["status"] in ("queued", "running") and time.monotonic() < deadline, status
-            time.sleep(0.5)
-        assert status["status"] == "running"
-        assert "needs 0.5 CPU" in status["waiting"] and "cpu-hog-of-the-test" in status["waiting"], status
-        ray.kill(hog)  # one CPU free, no more
-        final = wait_for(job, {"succeeded", "failed", "cancelled"}, timeout=900)
-        assert final["status"] == "succeeded", final
-        assert final["progress"]["step"] == 2
-    finally:
-        ray.kill(hog)
-        ray.kill(rest)
-    kinds = [e["type"] for e in job.events()]
-    assert kinds.index("rl.waiting") < kinds.index("rl.resources")
-
-
 SDK_CONFIG = """
 type = "rl"
 [algorithm]
@@ -380,26 +343,65 @@ print(json.dumps({"job_id": job_id, "again": again, "final": final}))
 """
 
 
-def test_synth_ais_own_sdk_submits_polls_and_resubmits_a_job(jobsgw, tmp_path):
+def test_synth_ais_own_sdk_runs_a_job_that_waits_for_the_busy_cluster_then_finishes(jobsgw, tmp_path):
     """synth-ai 0.4.4's unmodified SDK (a venv of its own): RLJob.from_config ->
     submit -> poll_until_complete against /api/rl/jobs, and a resubmission with the
     same idempotency key. (Its get_status and get_results fail on the client in
     0.4.4: they use an async HTTP client outside its context; poll_until_complete
-    returns the same status, results included.)"""
+    returns the same status, results included.)
+
+    Meanwhile every free CPU is taken by other actors: the job runs its driver,
+    which waits, saying what it needs and who holds it (status and events). Then
+    one CPU frees, as a two-CPU machine has beside configs/serve.toml's engine:
+    the job starts in it and runs to completion ([jobs] cpus_per_bundle: 0.5 CPU
+    for its rollout replica, 0.5 for its trainer worker)."""
     from examples.math_task_app import rollout
     from rlgate.taskapp import create_task_app
+
+    @ray.remote
+    class Hog:
+        def ready(self) -> bool:
+            return True
+
+    def said() -> str:
+        return (tmp_path / "sdk.out").read_text()[-2000:] + (tmp_path / "sdk.err").read_text()[-3000:]
 
     python = synth_ai_python()
     (tmp_path / "rl.toml").write_text(SDK_CONFIG)
     (tmp_path / "drive.py").write_text(SDK_DRIVER)
-    with serve_asgi(create_task_app("math", rollout)) as task_url:  # no key: the SDK never gives rlgate one
-        command = [str(python), "drive.py", "rl.toml", jobsgw.url, jobsgw.admin_key, task_url]
-        run = subprocess.run(
-            command, capture_output=True, text=True, timeout=1200, cwd=tmp_path, env=synth_ai_env(tmp_path)
-        )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    answer = json.loads(run.stdout.strip().splitlines()[-1])
-    assert answer["again"] == answer["job_id"]
+    free = ray.available_resources().get("CPU", 0.0)
+    assert free >= 1.0, f"the test needs a free CPU to give the job, {free} free"
+    rest = Hog.options(num_cpus=free - 1.0, name="cpu-hog-that-stays", namespace="rlgate").remote()
+    hog = Hog.options(num_cpus=1.0, name="cpu-hog-of-the-test", namespace="rlgate").remote()
+    ray.get([rest.ready.remote(), hog.ready.remote()])
+    sdk = None
+    try:
+        with serve_asgi(create_task_app("math", rollout)) as task_url:  # no key: the SDK never gives rlgate one
+            command = [str(python), "drive.py", "rl.toml", jobsgw.url, jobsgw.admin_key, task_url]
+            with open(tmp_path / "sdk.out", "w") as out, open(tmp_path / "sdk.err", "w") as err:  # no pipe to fill
+                sdk = subprocess.Popen(command, stdout=out, stderr=err, cwd=tmp_path, env=synth_ai_env(tmp_path))
+            deadline = time.monotonic() + 300
+            while True:
+                assert sdk.poll() is None, f"the SDK ended before the job said why it waits: {said()}"
+                assert time.monotonic() < deadline, "the job never said why it waits"
+                listed = httpx.get(f"{jobsgw.url}/api/rl/jobs", headers=jobsgw.admin).json()
+                mine = [j for j in listed if j["tags"].get("experiment") == "sdk"]
+                if mine and mine[0]["waiting"] is not None:
+                    break
+                time.sleep(0.5)
+            [status] = mine
+            assert status["status"] == "running"
+            assert "needs 0.5 CPU" in status["waiting"] and "cpu-hog-of-the-test" in status["waiting"], status
+            ray.kill(hog)  # one CPU free, no more
+            sdk.wait(timeout=1200)
+    finally:
+        if sdk is not None and sdk.poll() is None:
+            sdk.kill()
+        ray.kill(hog)
+        ray.kill(rest)
+    assert sdk.returncode == 0, said()
+    answer = json.loads((tmp_path / "sdk.out").read_text().strip().splitlines()[-1])
+    assert answer["job_id"] == status["job_id"] and answer["again"] == answer["job_id"]
     final = answer["final"]
     assert final["status"] == "succeeded", (final["error"], final["progress"])
     assert final["progress"]["step"] == 2 and [c["step"] for c in final["results"]["checkpoints"]] == [2]
@@ -408,3 +410,5 @@ def test_synth_ais_own_sdk_submits_polls_and_resubmits_a_job(jobsgw, tmp_path):
     events = RLJob.from_job_id(answer["job_id"], jobsgw.url, jobsgw.admin_key).events()
     [ignored] = [e for e in events if e["type"] == "rl.config.ignored"]
     assert "training.log_interval" in ignored["message"] and "topology.type" in ignored["message"]
+    kinds = [e["type"] for e in events]
+    assert kinds.index("rl.waiting") < kinds.index("rl.resources")
