@@ -14,7 +14,7 @@ import httpx
 import pytest
 import ray
 
-from rlgate.client import RLGateError, RLJob
+from rlgate.sdk.client import RLGateError, RLJob
 from tests.support import free_port, generated_keys, serve_asgi, start_gateway, synth_ai_env, synth_ai_python
 
 TASK_APP_KEY = "env-key-for-the-jobs-tests"
@@ -46,7 +46,7 @@ SEEN: list = []  # every RolloutRequest the task app got
 def task_app():
     """examples/math_task_app.py, except that every sixth rollout crashes."""
     from examples.math_task_app import rollout
-    from rlgate.taskapp import create_task_app
+    from rlgate.sdk.taskapp import create_task_app
 
     calls = [0]
 
@@ -387,7 +387,7 @@ def test_synth_ais_own_sdk_submits_polls_and_resubmits_a_job(jobsgw, tmp_path):
     0.4.4: they use an async HTTP client outside its context; poll_until_complete
     returns the same status, results included.)"""
     from examples.math_task_app import rollout
-    from rlgate.taskapp import create_task_app
+    from rlgate.sdk.taskapp import create_task_app
 
     python = synth_ai_python()
     (tmp_path / "rl.toml").write_text(SDK_CONFIG)
