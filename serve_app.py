@@ -26,10 +26,10 @@ from actors.gateway import Gateway
 from actors.rollout_server import RolloutServer
 from rlgate.config import RLGateConfig, load_config
 from rlgate.models import BUILTIN_DTYPES, prepare_model
-from rlgate.placement import replica_bundle
 from rlgate.serving.auth import AdminKeyRefused, is_weak, refuse_public_bind
 from rlgate.serving.routing import router_config, serve_start_options
-from rlgate.sessions import hash_key, new_key
+from rlgate.sessions.manager import hash_key, new_key
+from rlgate.training.placement import replica_bundle
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "serve.toml"
 

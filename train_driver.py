@@ -31,10 +31,7 @@ from pydantic import ValidationError
 from ray import serve
 
 from actors.trainer import TrainerWorkers
-from rlgate.batching import GroupBuffer
 from rlgate.config import ConfigError, RLGateConfig, dump_config, load_config
-from rlgate.loop import collect, normaliser, score, surviving
-from rlgate.placement import cluster_nodes, plan, unplaceable, wait_for_room, worker_bundle
 from rlgate.run import (
     INHERITED_STATE,
     NAMESPACE,
@@ -45,12 +42,15 @@ from rlgate.run import (
     end_actors,
     get_actor,
 )
-from rlgate.runlog import RunLog
+from rlgate.sdk.taskapp import TaskAppClient, TaskAppError, environment_key
 from rlgate.serving.routing import serve_start_options
-from rlgate.sessions import hash_key, new_key
-from rlgate.taskapp import TaskAppClient, TaskAppError, environment_key
-from rlgate.tasks import Episodes, builtin_episodes, evaluate, get_task, task_app_episodes
-from rlgate.trajectory_files import last_seq
+from rlgate.sessions.manager import hash_key, new_key
+from rlgate.sessions.trajectory_files import last_seq
+from rlgate.training.batching import GroupBuffer
+from rlgate.training.loop import collect, normaliser, score, surviving
+from rlgate.training.placement import cluster_nodes, plan, unplaceable, wait_for_room, worker_bundle
+from rlgate.training.runlog import RunLog
+from rlgate.training.tasks import Episodes, builtin_episodes, evaluate, get_task, task_app_episodes
 from serve_app import AdminKey, AdminKeyRefused, admin_key, build_app, resolve_model
 
 

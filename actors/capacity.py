@@ -9,7 +9,7 @@ under its ``holder`` name, so a holder that restarts recounts only its own),
 and by the trainer (``grant`` when it attaches, ``on_new_version`` after
 publishing weights, ``discard`` for sessions it dropped untrained, ``detach``
 when it leaves).
-Owns: the :class:`rlgate.capacity.CapacityRule`, the ``running`` (per holder), ``accepted``
+Owns: the :class:`rlgate.sessions.capacity.CapacityRule`, the ``running`` (per holder), ``accepted``
 and ``rejected`` counters and the policy ``version``. Every change appends the
 whole state as a line to ``state_path`` (``<run>/capacity.jsonl``; the last
 whole line counts, and the file is rewritten when it passes 1 MiB: a rename
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import ray
 
-from rlgate.capacity import CapacityRule, CapacityStats, GroupReservations, free_slots
 from rlgate.logfile import append_whole, json_lines, open_log
 from rlgate.run import run_of
+from rlgate.sessions.capacity import CapacityRule, CapacityStats, GroupReservations, free_slots
 from rlgate.telemetry import Metrics
 
 logger = logging.getLogger(__name__)
@@ -299,7 +299,7 @@ _RESTARTED = object()  # what CapacityClient._call answers for a call the actor'
 
 class CapacityClient:
     """A holder's side of the CapacityActor: the plain async interface
-    :class:`rlgate.sessions.SessionManager` expects (``acquire``, ``release``),
+    :class:`rlgate.sessions.manager.SessionManager` expects (``acquire``, ``release``),
     counted under ``holder``, and recovery from the actor's restart.
 
     When a call finds the actor dead or restarted (the call failed, or it was

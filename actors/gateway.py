@@ -41,10 +41,10 @@ from actors.job_manager import get_or_create_job_manager
 from actors.policy_store import PolicyFollower, get_or_create_policy_store
 from actors.session_store import SessionStore, owned_sessions
 from actors.trajectory_store import TrajectoryStore
-from rlgate import api
 from rlgate.config import RLGateConfig
-from rlgate.engines import RequestLog, make_engine
+from rlgate.rollout.engines import RequestLog, make_engine
 from rlgate.run import NAMESPACE, actor_name
+from rlgate.serving import api
 from rlgate.serving.auth import Auth, Slot, refuse_public_bind
 from rlgate.serving.clients import EngineClient, JobsClient, LocalEngine, Peers, SessionClient, StoreClient
 from rlgate.serving.errors import HTTPError
@@ -53,7 +53,7 @@ from rlgate.serving.middleware import InFlightLimit
 from rlgate.serving.owned import claim_journal
 from rlgate.serving.routes import build_app
 from rlgate.serving.service import GatewayService
-from rlgate.sessions import SessionError
+from rlgate.sessions.manager import SessionError
 from rlgate.telemetry import Metrics
 
 

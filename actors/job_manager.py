@@ -15,7 +15,7 @@ at once; the rest wait as ``queued``. A watcher polls Ray's status and the
 run's ``metrics.jsonl`` once a second and turns them into events.
 
 A job's task app must be one the operator allows (``[jobs] task_app_hosts``,
-checked after DNS resolution: :mod:`rlgate.egress`); the job's config gets the
+checked after DNS resolution: :mod:`rlgate.jobs.egress`); the job's config gets the
 operator's rule, which its driver checks again on every connection. Its
 secrets are never on disk: the task app's key stays in this actor's memory
 until the job's driver takes it (``train_driver.py --job-manager``) or the job
@@ -39,12 +39,12 @@ from pathlib import Path
 import ray
 from pydantic import ValidationError
 
-from rlgate import jobs
 from rlgate.config import ConfigError, JobsConfig, dump_config
-from rlgate.egress import TargetRefused, check_url
-from rlgate.placement import cluster_nodes, plan, unplaceable
+from rlgate.jobs import schema as jobs
+from rlgate.jobs.egress import TargetRefused, check_url
 from rlgate.run import NAMESPACE, ROLES, actor_name, app_name, checkpoint_states, checkpoints_dir, end_actors
-from rlgate.sessions import SessionError, hash_key, new_key, same_secret
+from rlgate.sessions.manager import SessionError, hash_key, new_key, same_secret
+from rlgate.training.placement import cluster_nodes, plan, unplaceable
 
 ROOT = Path(__file__).resolve().parents[1]
 LOST_KEY = (
@@ -513,7 +513,7 @@ def job_route(job_id: str) -> str:
 
 def _last_line(logs: str) -> str | None:
     """The driver's own one-line reason (``rlgate: ...``), else the last line of its logs."""
-    from rlgate.tasks import redact
+    from rlgate.training.tasks import redact
 
     lines = [redact(line.strip()) for line in logs.splitlines() if line.strip()]
     ours = [line for line in lines if line.startswith("rlgate: ") and ("fail" in line or "stopped" in line)]

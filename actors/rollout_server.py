@@ -3,7 +3,7 @@
 Created by ``serve_app.build_app`` with ``[rollout] replicas`` replicas.
 Called by the Gateway (``generate``, through a streaming handle) and by the
 trainer (``update_weights``, ``pause``/``resume``, ``version``).
-Owns: one :class:`rlgate.engines.Engine` (vLLM or HF) and its policy version,
+Owns: one :class:`rlgate.rollout.engines.Engine` (vLLM or HF) and its policy version,
 and, when ``[rollout] request_log_size`` > 0, a bounded log of the last
 requests exactly as the engine saw and answered them (for audits and tests).
 
@@ -22,7 +22,7 @@ from ray import serve
 
 from actors.policy_store import PolicyFollower, get_or_create_policy_store
 from rlgate.config import RLGateConfig
-from rlgate.engines import Completion, Engine, RequestLog, SamplingParams, TokenChunk, collect, make_engine
+from rlgate.rollout.engines import Completion, Engine, RequestLog, SamplingParams, TokenChunk, collect, make_engine
 from rlgate.run import NAMESPACE, actor_name
 
 

@@ -6,7 +6,7 @@ Gateway replica: ``start``/``end`` on the session routes, ``begin``/``record``
 around each completion, ``set_reward``. When a session ends (explicitly, by
 refresh, or idle past the timeout) its trajectory is exported to the
 TrajectoryStore, which has it on disk before the ending call returns.
-Owns: the :class:`rlgate.sessions.SessionManager` state, in memory and in a
+Owns: the :class:`rlgate.sessions.manager.SessionManager` state, in memory and in a
 journal (``<run_dir>/sessions/journal.jsonl``): Ray restarts a store that
 died, in place (the Gateways' handles stay good), and the new one takes back
 every open session from the journal and tells the CapacityActor how many slots
@@ -21,8 +21,8 @@ import ray
 
 from actors.capacity import CapacityClient
 from rlgate.serving.owned import OwnedSessions
-from rlgate.sessions import Parent
-from rlgate.trajectory import Interaction
+from rlgate.sessions.manager import Parent
+from rlgate.sessions.trajectory import Interaction
 
 
 def owned_sessions(

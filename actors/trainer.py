@@ -30,10 +30,10 @@ from ray.train import Checkpoint
 
 from actors.policy_store import Republisher
 from rlgate.config import RLGateConfig
-from rlgate.grpo import LossConfig
-from rlgate.loop import surviving
 from rlgate.run import CHECKPOINTS, NAMESPACE, STATE_FILE, checkpoint_states, checkpoints_dir
-from rlgate.trainer import PolicyTrainer, StepSettings, collate
+from rlgate.training.grpo import LossConfig
+from rlgate.training.loop import surviving
+from rlgate.training.policy_step import PolicyTrainer, StepSettings, collate
 
 
 def shard(rows: list, rank: int, world: int) -> list:

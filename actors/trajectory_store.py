@@ -4,7 +4,7 @@ Created by the Gateway (get-or-create, a named detached actor per run), so it
 outlives any one replica. Called by SessionStore (``append`` when a session
 ends), the Gateway (``read`` for ``GET /rl/trajectories``) and the training
 driver (``read``, whole sessions at a time). Owns append-only JSON-lines segments under
-``<run_dir>/trajectories/`` (:mod:`rlgate.trajectory_files`) and the next
+``<run_dir>/trajectories/`` (:mod:`rlgate.sessions.trajectory_files`) and the next
 sequence number; everything else is rebuilt from the files on start, so a
 restarted actor loses nothing that was acknowledged.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import ray
 
+from rlgate.sessions.trajectory_files import TrajectoryFiles
 from rlgate.telemetry import Metrics
-from rlgate.trajectory_files import TrajectoryFiles
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)

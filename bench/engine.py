@@ -23,8 +23,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlgate.engines import SamplingParams, collect  # noqa: E402
 from rlgate.models import prepare_model  # noqa: E402
+from rlgate.rollout.engines import SamplingParams, collect  # noqa: E402
 
 PROMPT = "Write a short story about a robot who learns to paint."
 
@@ -52,7 +52,7 @@ async def bench_rlgate_engine(kind: str, path: Path, prompt_ids, tokens: int, up
     from safetensors.torch import load_file
 
     from rlgate.config import RolloutConfig
-    from rlgate.engines import make_engine
+    from rlgate.rollout.engines import make_engine
 
     engine = make_engine(path, RolloutConfig(engine=kind, max_model_len=1024, kv_cache_gib=1.0))
     await engine.ready()
@@ -87,7 +87,7 @@ async def bench_bare_asyncllm(path: Path, prompt_ids, tokens: int) -> dict:
     from vllm.inputs import tokens_input
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from rlgate.engines.vllm import cpu_engine_overrides, cpu_environment_defaults
+    from rlgate.rollout.engines.vllm import cpu_engine_overrides, cpu_environment_defaults
 
     kwargs = dict(model=str(path), dtype="float32", max_model_len=1024, enforce_eager=True, disable_log_stats=True)
     if not torch.cuda.is_available():
@@ -125,7 +125,7 @@ def main() -> None:
     from rich.table import Table
     from transformers import AutoTokenizer
 
-    from rlgate.engines import vllm_installed
+    from rlgate.rollout.engines import vllm_installed
 
     results: dict[str, dict[str, dict]] = {}
     for model in args.models:

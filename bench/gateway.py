@@ -117,7 +117,7 @@ def vllm_server(model_path: Path):
     yields its base URL (served model name ``bench``)."""
     import torch
 
-    from rlgate.engines.vllm import cpu_environment_defaults
+    from rlgate.rollout.engines.vllm import cpu_environment_defaults
 
     port = free_port()
     env = dict(os.environ)
@@ -185,7 +185,7 @@ def rlgate_server(
     from ray import serve
 
     from rlgate.config import parse_config
-    from rlgate.sessions import hash_key
+    from rlgate.sessions.manager import hash_key
     from serve_app import build_app
 
     admin = secrets.token_hex(16)

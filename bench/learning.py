@@ -43,7 +43,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from rlgate.config import dump_config, load_config  # noqa: E402
 from rlgate.models import prepare_model  # noqa: E402
-from rlgate.tasks import get_task  # noqa: E402
+from rlgate.training.tasks import get_task  # noqa: E402
 
 
 def run_rlgate(config_path: Path, colocate: bool = False) -> dict:

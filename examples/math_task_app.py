@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 import re
 
-from rlgate.taskapp import Episode, Outcome, create_task_app, serve
+from rlgate.sdk import Episode, Outcome, create_task_app, serve
 
 
 def problem(seed: int) -> tuple[str, int]:

@@ -20,7 +20,7 @@ import random
 import re
 
 from rlgate.models import CALCULATOR_TOOL
-from rlgate.taskapp import Episode, Outcome, create_task_app, serve
+from rlgate.sdk import Episode, Outcome, create_task_app, serve
 
 CALCULATOR = CALCULATOR_TOOL  # the tool tiny-tools has learned to call
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 if TYPE_CHECKING:
-    from rlgate.egress import Allowlist
+    from rlgate.jobs.egress import Allowlist
 
 
 class ConfigError(ValueError):
@@ -313,7 +313,7 @@ class ServicesConfig(_Section):
     @field_validator("task_url")
     @classmethod
     def _http(cls, url: str | None) -> str | None:
-        from rlgate.egress import target
+        from rlgate.jobs.egress import target
 
         if url is not None:
             target(url)  # http or https, a host, no credentials; what it resolves to is checked by [jobs]
@@ -349,14 +349,14 @@ class JobsConfig(_Section):
     @field_validator("task_app_hosts")
     @classmethod
     def _entries(cls, entries: list[str]) -> list[str]:
-        from rlgate.egress import Allowlist
+        from rlgate.jobs.egress import Allowlist
 
         Allowlist.parse(entries)  # ValueError names the entry
         return entries
 
     def allowlist(self) -> Allowlist:
-        """The entries as an :class:`rlgate.egress.Allowlist` (imported here: it brings httpx)."""
-        from rlgate.egress import Allowlist
+        """The entries as an :class:`rlgate.jobs.egress.Allowlist` (imported here: it brings httpx)."""
+        from rlgate.jobs.egress import Allowlist
 
         return Allowlist.parse(self.task_app_hosts)
 
@@ -473,7 +473,7 @@ def parse_config(data: dict, source: str = "config") -> RLGateConfig:
 
 def parse_config_noting(data: dict, source: str = "config") -> tuple[RLGateConfig, list[str]]:
     """:func:`parse_config`, and the synth-ai keys that change nothing here ("section.key: why")."""
-    from rlgate.synth import is_synth_shape, map_synth
+    from rlgate.jobs.synth import is_synth_shape, map_synth
 
     ignored: list[str] = []
     if is_synth_shape(data):

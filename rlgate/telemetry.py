@@ -4,7 +4,7 @@ Exported through ``ray.util.metrics``: Ray's metrics agent on every node
 serves them to Prometheus (and so to the Ray dashboard and Grafana, see
 ``deploy/grafana-dashboard.json``), each tagged with the run it belongs to.
 The training loop's own figures (reward, step and sync seconds, staleness,
-...) are the ``rlgate_train_*`` gauges, set by :mod:`rlgate.runlog` each step.
+...) are the ``rlgate_train_*`` gauges, set by :mod:`rlgate.training.runlog` each step.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "rlgate_capacity_running": ("gauge", "Sessions holding a capacity slot", ()),
     "rlgate_capacity_free": ("gauge", "Sessions that may start now", ()),
 }
-# The training loop's figures, set every step from the driver (rlgate.runlog) as rlgate_train_<name>
+# The training loop's figures, set every step from the driver (rlgate.training.runlog) as rlgate_train_<name>
 # (from the step's metrics line: <name>, or the trainer's train_<name>).
 TRAIN_GAUGES = {
     "reward_mean": "Mean reward of the last training batch",

@@ -14,8 +14,8 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
 import pytest
 
-from rlgate.engines import vllm_installed
 from rlgate.models import prepare_model
+from rlgate.rollout.engines import vllm_installed
 from rlgate.serving.routing import serve_start_options
 from tests.support import free_port
 
@@ -66,7 +66,7 @@ def prompts(tiny_tokenizer):
 
 @pytest.fixture(scope="session")
 async def hf_engine(tiny_path):
-    from rlgate.engines.hf import HFEngine
+    from rlgate.rollout.engines.hf import HFEngine
 
     engine = HFEngine(tiny_path, max_model_len=1024)
     await engine.ready()
@@ -78,7 +78,7 @@ async def hf_engine(tiny_path):
 async def vllm_engine(tiny_path):
     if not vllm_installed():
         pytest.skip("vLLM is not installed")
-    from rlgate.engines.vllm import VLLMEngine
+    from rlgate.rollout.engines.vllm import VLLMEngine
 
     engine = VLLMEngine(tiny_path, max_model_len=1024, cpu_kv_cache_gib=0.5)
     await engine.ready()

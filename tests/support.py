@@ -17,13 +17,13 @@ import openai
 import pytest
 
 from rlgate.config import parse_config
-from rlgate.engines import vllm_installed
+from rlgate.rollout.engines import vllm_installed
 from rlgate.serving.auth import Auth
 from rlgate.serving.clients import JobsClient, LocalEngine
 from rlgate.serving.owned import LocalSessions
 from rlgate.serving.routes import build_app
 from rlgate.serving.service import GatewayService
-from rlgate.sessions import SessionManager, hash_key
+from rlgate.sessions.manager import SessionManager, hash_key
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -303,7 +303,7 @@ def until_served(call, seconds: float = 180):
 
 needs_vllm = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed")
 
-# Every key rlgate makes (rlgate.sessions.new_key): session keys rlg-<secret> and
+# Every key rlgate makes (rlgate.sessions.manager.new_key): session keys rlg-<secret> and
 # rlg<slot>-<secret>, RL job keys rlg-job-<secret>, admin keys rlg-admin-<secret>
 # (a job's gateway, a generated one), the secret being 256 bits in 43 URL-safe
 # characters. Tests grep for the pattern, so keys no test ever sees count too.
@@ -357,7 +357,7 @@ def start_gateway(ray_session, tmp_path_factory, name: str, settings: dict) -> G
     from ray import serve
 
     from rlgate.config import parse_config
-    from rlgate.sessions import hash_key
+    from rlgate.sessions.manager import hash_key
     from serve_app import build_app
 
     run_root = tmp_path_factory.mktemp(name)

@@ -3,6 +3,11 @@
 * :mod:`~rlgate.serving.routes`: the FastAPI app (``build_app``), routes that only frame;
 * :mod:`~rlgate.serving.service`: ``GatewayService``, what each route does;
 * :mod:`~rlgate.serving.turns`: one chat turn, whole or streamed, recorded in its session;
+* :mod:`~rlgate.serving.api`: the HTTP schemas (OpenAI-compatible requests, the session routes);
+* :mod:`~rlgate.serving.chat`: chat messages to token ids, reusing an earlier exchange's ids verbatim;
+* :mod:`~rlgate.serving.openai_format`, :mod:`~rlgate.serving.toolcalls` and
+  :mod:`~rlgate.serving.reasoning`: completion ids to OpenAI-shaped text, logprobs, tool
+  calls and reasoning;
 * :mod:`~rlgate.serving.clients`: the session store, the engines, the stores and the
   job manager behind plain async methods (Ray's failures become HTTP answers there);
 * :mod:`~rlgate.serving.auth`: admin, session and job keys, and which colocated replica owns a

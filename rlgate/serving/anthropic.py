@@ -36,9 +36,9 @@ from anthropic.types import Message, TextBlock, ToolUseBlock, Usage
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rlgate import api
+from rlgate.serving import api
 from rlgate.serving.errors import HTTPError, anthropic_error_body, invalid_translation
-from rlgate.sessions import SessionError
+from rlgate.sessions.manager import SessionError
 
 ID_PREFIX = "msg_"
 

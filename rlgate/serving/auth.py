@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 
 from rlgate.serving.errors import HTTPError
-from rlgate.sessions import hash_key, same_secret
+from rlgate.sessions.manager import hash_key, same_secret
 
 # Keys published in other projects' docs and examples: never acceptable off loopback.
 KNOWN_WEAK_KEYS = frozenset({"areal-admin-key", "admin", "changeme", "password", "secret", "test", "sk-test"})

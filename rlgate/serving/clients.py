@@ -17,13 +17,13 @@ from dataclasses import asdict
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
-from rlgate import api
-from rlgate.engines import Engine, RequestLog, SamplingParams, collect
-from rlgate.engines.base import EngineInputError
+from rlgate.rollout.engines import Engine, RequestLog, SamplingParams, collect
+from rlgate.rollout.engines.base import EngineInputError
+from rlgate.serving import api
 from rlgate.serving.auth import Slot
 from rlgate.serving.errors import HTTPError, ServiceDown
-from rlgate.sessions import Parent, SessionError
-from rlgate.trajectory import Interaction
+from rlgate.sessions.manager import Parent, SessionError
+from rlgate.sessions.trajectory import Interaction
 
 
 def cause(err: BaseException) -> BaseException:

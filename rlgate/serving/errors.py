@@ -1,6 +1,6 @@
 """Errors on the serving path, all in OpenAI's error shape.
 
-Every refusal is an :class:`HTTPError` (or a :class:`rlgate.sessions.SessionError`
+Every refusal is an :class:`HTTPError` (or a :class:`rlgate.sessions.manager.SessionError`
 from the session store) and reaches the client as
 ``{"error": {"message", "type", "param", "code"}}`` with its status (Anthropic's
 ``{"type": "error", "error": {"type", "message"}}`` on its Messages route), so
@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rlgate.sessions import SessionError
+from rlgate.sessions.manager import SessionError
 
 
 class HTTPError(Exception):

@@ -21,10 +21,10 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from rlgate.journal import SessionJournal
-from rlgate.sessions import Capacity, Parent, SessionManager, sweep
+from rlgate.sessions.journal import SessionJournal
+from rlgate.sessions.manager import Capacity, Parent, SessionManager, sweep
+from rlgate.sessions.trajectory import Interaction
 from rlgate.telemetry import Metrics
-from rlgate.trajectory import Interaction
 
 
 class LocalSessions:

@@ -35,9 +35,9 @@ from typing import Any, Literal
 from openai.types.chat import ChatCompletion
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rlgate import api
+from rlgate.serving import api
 from rlgate.serving.errors import HTTPError, error_body, invalid_translation
-from rlgate.sessions import SessionError
+from rlgate.sessions.manager import SessionError
 
 ID_PREFIX = "resp_"
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rlgate import api, jobs
-from rlgate.serving import anthropic, responses
+from rlgate.jobs import schema as jobs
+from rlgate.serving import anthropic, api, responses
 from rlgate.serving.errors import install_error_handlers
 from rlgate.serving.middleware import install_middleware
 from rlgate.serving.service import GatewayService

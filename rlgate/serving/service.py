@@ -22,19 +22,19 @@ from typing import TYPE_CHECKING
 from openai.types import Completion, CompletionChoice, CompletionUsage, Model
 from openai.types.completion_choice import Logprobs
 
-from rlgate import api
-from rlgate.chat import ChatRenderer, exchange_keys
 from rlgate.config import RLGateConfig
-from rlgate.engines import SamplingParams
-from rlgate.openai_format import TokenText, visible_text
-from rlgate.reasoning import ReasoningParser
+from rlgate.rollout.engines import SamplingParams
+from rlgate.serving import api
 from rlgate.serving.auth import Auth, bearer
+from rlgate.serving.chat import ChatRenderer, exchange_keys
 from rlgate.serving.errors import HTTPError, error_response
+from rlgate.serving.openai_format import TokenText, visible_text
+from rlgate.serving.reasoning import ReasoningParser
 from rlgate.serving.responses import ResponseLog
+from rlgate.serving.toolcalls import detect_parser, get_parser, json_format, structural_tag
 from rlgate.serving.turns import Turn, TurnStream, chain, choice_id
-from rlgate.sessions import hash_key, new_session_key
-from rlgate.toolcalls import detect_parser, get_parser, json_format, structural_tag
-from rlgate.trajectory import Interaction
+from rlgate.sessions.manager import hash_key, new_session_key
+from rlgate.sessions.trajectory import Interaction
 
 # A prompt longer than this (characters) is rendered and tokenised in a worker
 # thread, so one large request (up to [gateway] max_body_bytes) never stalls

@@ -21,13 +21,13 @@ from openai.types.chat.chat_completion_chunk import ChoiceDelta, ChoiceDeltaTool
 from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkLogprobs
 from openai.types.chat.chat_completion_message_tool_call import ChatCompletionMessageToolCall, Function
 
-from rlgate.chat import extend_key
-from rlgate.engines import SamplingParams
-from rlgate.engines.base import Completion
-from rlgate.openai_format import TextStream, chat_logprobs, visible_text
+from rlgate.rollout.engines import SamplingParams
+from rlgate.rollout.engines.base import Completion
+from rlgate.serving.chat import extend_key
 from rlgate.serving.errors import HTTPError, sse_error
-from rlgate.sessions import SessionError
-from rlgate.trajectory import Interaction
+from rlgate.serving.openai_format import TextStream, chat_logprobs, visible_text
+from rlgate.sessions.manager import SessionError
+from rlgate.sessions.trajectory import Interaction
 
 if TYPE_CHECKING:
     from rlgate.serving.service import GatewayService

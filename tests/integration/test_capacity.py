@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlgate.capacity import CapacityRule, GroupReservations, free_slots
+from rlgate.sessions.capacity import CapacityRule, GroupReservations, free_slots
 
 NAMESPACE = "rlgate-test-capacity"
 

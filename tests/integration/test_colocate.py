@@ -18,7 +18,7 @@ import openai
 import psutil
 import pytest
 
-from rlgate.parity import _reference_logprobs
+from rlgate.rollout.parity import _reference_logprobs
 from tests.support import free_port, gateway_fixture, key_of, prompt_len, publish_perturbed, until_served
 
 NAME = "gw-colo"

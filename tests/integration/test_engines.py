@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from rlgate.engines import SamplingParams, collect
+from rlgate.rollout.engines import SamplingParams, collect
 from tests.support import assert_same_greedy, needs_vllm
 
 EOS = 2  # <|im_end|> in tiny-random
@@ -225,7 +225,7 @@ async def test_a_row_that_fails_fails_only_its_own_request(hf_engine, prompts, m
 
 OWNER = """
 import asyncio, sys
-from rlgate.engines.vllm import VLLMEngine
+from rlgate.rollout.engines.vllm import VLLMEngine
 
 async def main():
     engine = VLLMEngine(sys.argv[1], max_model_len=256, cpu_kv_cache_gib=0.25)
@@ -242,7 +242,7 @@ if __name__ == "__main__":
 def test_a_killed_engine_owner_takes_its_vllm_processes_with_it(tiny_path, tmp_path):
     """SIGKILL the process that owns a vLLM engine (as a crashed replica or `ray stop
     --force` does): vLLM's engine core and worker processes end too, instead of
-    holding their memory and cores as orphans (rlgate.engines.reaper)."""
+    holding their memory and cores as orphans (rlgate.rollout.engines.reaper)."""
     import subprocess
     import sys
     import time

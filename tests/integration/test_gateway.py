@@ -539,7 +539,7 @@ def test_a_task_app_plays_a_multi_turn_tool_episode_through_the_scoped_url(gw):
     gateway: tiny-tools calls the calculator, gets the result, answers; the task
     app needs no key of ours, and the session records one exact sequence."""
     from examples.tool_task_app import app, problem
-    from rlgate.taskapp import EnvSpec, PolicySpec, RolloutRequest, TaskAppClient
+    from rlgate.sdk.taskapp import EnvSpec, PolicySpec, RolloutRequest, TaskAppClient
     from tests.support import serve_asgi
 
     seed = next(s for s in range(10_000) if problem(s)[0] in TOOL_PROBLEMS)  # one tiny-tools has learned

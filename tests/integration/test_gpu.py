@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlgate.parity import failures, run_parity
+from rlgate.rollout.parity import failures, run_parity
 
 pytestmark = pytest.mark.gpu
 

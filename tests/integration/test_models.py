@@ -163,8 +163,8 @@ async def test_tiny_tools_builds_under_every_kernel_set_and_plays_greedily_in_vl
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from rlgate.engines import SamplingParams, collect
     from rlgate.models import tool_examples
+    from rlgate.rollout.engines import SamplingParams, collect
 
     builds = {(cap, threads): tmp_path / f"{cap}-{threads}" for cap in _capabilities() for threads in (1, 2)}
 

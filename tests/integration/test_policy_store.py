@@ -10,8 +10,8 @@ import pytest
 from safetensors.torch import load_file
 
 from rlgate.config import parse_config
-from rlgate.engines import SamplingParams
-from rlgate.parity import _reference_logprobs
+from rlgate.rollout.engines import SamplingParams
+from rlgate.rollout.parity import _reference_logprobs
 from tests.support import publish_perturbed
 
 RUN = "policy-test"

@@ -8,8 +8,8 @@ import pytest
 from safetensors.torch import load_file
 
 from rlgate.config import load_config
-from rlgate.engines import SamplingParams
-from rlgate.parity import _one_optimizer_step, _reference_logprobs
+from rlgate.rollout.engines import SamplingParams
+from rlgate.rollout.parity import _one_optimizer_step, _reference_logprobs
 from tests.support import ROOT
 
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlgate.engines import SamplingParams, WeightsMismatchError, collect
-from rlgate.engines.base import read_safetensors_specs
-from rlgate.engines.hf import processed_logprobs
-from rlgate.parity import _one_optimizer_step, _reference_logprobs
+from rlgate.rollout.engines import SamplingParams, WeightsMismatchError, collect
+from rlgate.rollout.engines.base import read_safetensors_specs
+from rlgate.rollout.engines.hf import processed_logprobs
+from rlgate.rollout.parity import _one_optimizer_step, _reference_logprobs
 from tests.support import assert_same_greedy
 
 pytestmark = pytest.mark.usefixtures("restore_weights")

@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from rlgate.parity import FRESH_ENGINE_TOLERANCE
+from rlgate.rollout.parity import FRESH_ENGINE_TOLERANCE
 from tests.support import needs_vllm
 
 

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from rlgate.config import load_config
-from rlgate.placement import ROLLOUT_RESOURCE, TRAINER_RESOURCE
+from rlgate.training.placement import ROLLOUT_RESOURCE, TRAINER_RESOURCE
 from tests.support import ROOT, free_port, lines
 
 BIN = Path(sys.executable).parent  # the ray and serve commands of this environment
@@ -340,7 +340,7 @@ def test_an_admin_key_is_judged_where_serve_really_listens(cluster, tmp_path, ti
 import ray
 from ray import serve
 from rlgate.config import load_config
-from rlgate.sessions import hash_key
+from rlgate.sessions.manager import hash_key
 from serve_app import build_app
 ray.init(address="{cluster.gcs}", runtime_env={{"working_dir": "{ROOT}"}})
 try:

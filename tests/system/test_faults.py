@@ -391,7 +391,7 @@ def test_a_restarted_application_ends_and_exports_the_sessions_it_had_open(fault
     exported ("restart"), and their keys answer 410."""
     from ray import serve
 
-    from rlgate.sessions import hash_key
+    from rlgate.sessions.manager import hash_key
     from serve_app import build_app
 
     app = faults

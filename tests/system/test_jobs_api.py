@@ -14,7 +14,7 @@ import httpx
 import pytest
 import ray
 
-from rlgate.client import RLGateError, RLJob
+from rlgate.sdk.client import RLGateError, RLJob
 from tests.support import free_port, generated_keys, serve_asgi, start_gateway, synth_ai_env, synth_ai_python
 
 TASK_APP_KEY = "env-key-for-the-jobs-tests"
@@ -46,7 +46,7 @@ SEEN: list = []  # every RolloutRequest the task app got
 def task_app():
     """examples/math_task_app.py, except that every sixth rollout crashes."""
     from examples.math_task_app import rollout
-    from rlgate.taskapp import create_task_app
+    from rlgate.sdk.taskapp import create_task_app
 
     calls = [0]
 
@@ -356,7 +356,7 @@ def test_synth_ais_own_sdk_runs_a_job_that_waits_for_the_busy_cluster_then_finis
     the job starts in it and runs to completion ([jobs] cpus_per_bundle: 0.5 CPU
     for its rollout replica, 0.5 for its trainer worker)."""
     from examples.math_task_app import rollout
-    from rlgate.taskapp import create_task_app
+    from rlgate.sdk.taskapp import create_task_app
 
     @ray.remote
     class Hog:

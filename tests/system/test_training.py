@@ -367,7 +367,7 @@ total_steps = {total_steps}
 
 
 def test_a_task_app_that_stays_down_stops_the_run_with_its_reason(tmp_path, joined):
-    from rlgate.taskapp import create_task_app
+    from rlgate.sdk.taskapp import create_task_app
     from tests.support import serve_asgi
 
     async def down(episode):

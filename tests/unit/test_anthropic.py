@@ -9,8 +9,8 @@ import anthropic
 import httpx2
 import pytest
 
-from rlgate.chat import exchange_keys, extend_key
 from rlgate.serving import anthropic as messages_api
+from rlgate.serving.chat import exchange_keys, extend_key
 from rlgate.serving.errors import HTTPError
 from tests.support import start
 

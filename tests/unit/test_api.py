@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from rlgate.api import ChatCompletionRequest, ChatMessage, CompletionRequest, SetRewardRequest, unsupported_fields
+from rlgate.serving.api import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SetRewardRequest,
+    unsupported_fields,
+)
 
 USER = [{"role": "user", "content": "Hi"}]
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from rlgate.batching import GroupBuffer
+from rlgate.training.batching import GroupBuffer
 
 
 class Clock:

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from rlgate.chat import ChatRenderer, exchange_keys, extend_key
 from rlgate.models import CALCULATOR_TOOL, prepare_model, tool_episode
+from rlgate.serving.chat import ChatRenderer, exchange_keys, extend_key
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +220,7 @@ def test_templates_get_tool_call_arguments_as_a_mapping(tiny_tokenizer):
     writes them once: rlgate hands it a mapping, as Hugging Face and vLLM do."""
     import copy
 
-    from rlgate.api import ChatMessage
+    from rlgate.serving.api import ChatMessage
 
     tokenizer = copy.deepcopy(tiny_tokenizer)
     tokenizer.chat_template = (

@@ -1,4 +1,4 @@
-"""The Python SDK (``rlgate.client``) against a small HTTP server speaking the
+"""The Python SDK (``rlgate.sdk.client``) against a small HTTP server speaking the
 gateway's job and session routes over real loopback HTTP: typed errors with
 the server's message, retries that honour Retry-After, one pooled connection
 per client, defaults from the environment, and the async variant."""
@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from rlgate import client as sdk
+from rlgate.sdk import client as sdk
 from tests.support import serve_asgi
 
 ADMIN = "admin-key-for-the-sdk-tests"

@@ -138,9 +138,9 @@ def test_the_documented_limits_are_the_defaults():
     """The defaults SECURITY.md and docs/reliability.md state."""
     import inspect
 
-    from rlgate.journal import COMPACT_BYTES
     from rlgate.serving.routing import OwnerRouter
-    from rlgate.trajectory_files import READ_BYTES
+    from rlgate.sessions.journal import COMPACT_BYTES
+    from rlgate.sessions.trajectory_files import READ_BYTES
 
     gateway = parse_config({}).gateway
     assert gateway.max_body_bytes == 4 * 2**20

@@ -11,7 +11,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from rlgate.config import load_config
-from rlgate.placement import plan, unplaceable
+from rlgate.training.placement import plan, unplaceable
 from tests.support import ROOT
 
 

@@ -1,4 +1,4 @@
-"""rlgate.egress: which task apps a run may call (pure; DNS is a fake unless the
+"""rlgate.jobs.egress: which task apps a run may call (pure; DNS is a fake unless the
 name is numeric), and the transport that checks every connection as it is made."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
-from rlgate.egress import Allowlist, GuardedTransport, TargetRefused, check_url, target, vet
+from rlgate.jobs.egress import Allowlist, GuardedTransport, TargetRefused, check_url, target, vet
 from tests.support import serve_asgi
 
 NOTHING = Allowlist.parse([])

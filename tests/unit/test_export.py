@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from rlgate.export import sampled_spans
-from rlgate.trajectory_files import TrajectoryFiles
+from rlgate.cli.export import sampled_spans
+from rlgate.sessions.trajectory_files import TrajectoryFiles
 from tests.support import client, start
 
 

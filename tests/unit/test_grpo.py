@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from rlgate.grpo import LossConfig, PolicyBatch, aggregate, group_advantages, kl_k3, policy_loss
+from rlgate.training.grpo import LossConfig, PolicyBatch, aggregate, group_advantages, kl_k3, policy_loss
 
 REWARDS = torch.tensor([1.0, 0.0, 1.0, 0.0, 3.0, 5.0])
 GROUPS = torch.tensor([0, 0, 0, 0, 7, 7])

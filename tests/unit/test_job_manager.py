@@ -13,9 +13,9 @@ import pytest
 
 import actors.job_manager
 from actors.job_manager import JobManager
-from rlgate import jobs
 from rlgate.config import load_config
-from rlgate.sessions import SessionError
+from rlgate.jobs import schema as jobs
+from rlgate.sessions.manager import SessionError
 from tests.support import generated_keys
 
 TASK_APP_KEY = "task-app-key-of-the-unit-tests-0123456789"
@@ -127,7 +127,7 @@ async def test_the_operators_allowlist_rules_not_the_jobs_own(tmp_path, ray_jobs
 
 def test_the_leak_checks_recognise_every_kind_of_key_rlgate_makes():
     """tests.conftest.generated_keys is what every leak check greps with: it must know each key's shape."""
-    from rlgate.sessions import new_key, new_session_key
+    from rlgate.sessions.manager import new_key, new_session_key
 
     made = [new_session_key(), new_session_key(3), new_key("rlg-job-"), new_key("rlg-admin-")]
     for key in made:

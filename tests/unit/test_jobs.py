@@ -1,12 +1,12 @@
-"""rlgate.jobs: job requests to configs, progress and events (pure)."""
+"""rlgate.jobs.schema: job requests to configs, progress and events (pure)."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from rlgate import jobs
 from rlgate.config import ConfigError
+from rlgate.jobs import schema as jobs
 
 SYNTH = {
     "algorithm": {"type": "online", "method": "policy_gradient", "variety": "gspo"},

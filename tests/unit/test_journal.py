@@ -9,9 +9,9 @@ import logging
 
 import pytest
 
-from rlgate.journal import SessionJournal
-from rlgate.sessions import SessionError, SessionManager
-from rlgate.trajectory import Interaction
+from rlgate.sessions.journal import SessionJournal
+from rlgate.sessions.manager import SessionError, SessionManager
+from rlgate.sessions.trajectory import Interaction
 from tests.support import Disk
 
 

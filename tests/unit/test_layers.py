@@ -16,9 +16,9 @@ LAYER_OF = {"rlgate": 0, "actors": 1, **dict.fromkeys(ENTRY_POINTS, 2)}
 # Arrows that still run backwards, each to be folded away (the CLI's commands run
 # the entry points' bodies, which are not yet in the package): this list only shrinks.
 KNOWN = {
-    ("rlgate/cli.py", "serve_app"),
-    ("rlgate/cli.py", "train_driver"),
-    ("rlgate/scripted_chat.py", "serve_app"),
+    ("rlgate/cli/main.py", "serve_app"),
+    ("rlgate/cli/main.py", "train_driver"),
+    ("rlgate/cli/chat.py", "serve_app"),
 }
 
 

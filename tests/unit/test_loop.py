@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import ray.exceptions
 
-from rlgate import loop
+from rlgate.training import loop
 
 
 def test_a_call_that_meets_a_restart_is_made_again(monkeypatch):
@@ -45,7 +45,7 @@ def record(session: str, reward: float, tokens: int, versions: list[int] | None 
 
 
 def test_score_compares_within_whole_groups_and_over_the_batch_for_partial_ones():
-    from rlgate.batching import Batch, Group
+    from rlgate.training.batching import Batch, Group
 
     whole = Group("t", 2, sessions={"a": [record("a", 1.0, 2)], "b": [record("b", 0.0, 2)]})
     short = Group("u", 2, sessions={"c": [record("c", 1.0, 2)]})  # timed out with one of two
@@ -62,7 +62,7 @@ def test_the_drivers_normaliser_is_the_trainers_denominator_over_the_whole_batch
     trainer computes over the whole batch's mask, with stale tokens dropped."""
     import torch
 
-    from rlgate.grpo import denominator
+    from rlgate.training.grpo import denominator
 
     records = [record("a", 1.0, 3, [4, 4, 5]), record("b", 0.0, 5, [5] * 5)]  # version 4 is stale at 6, S=1
     width = max(len(r["input_ids"]) for r in records) - 1

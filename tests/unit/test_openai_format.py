@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from rlgate.openai_format import TextStream, TokenText, chat_logprobs, visible_text
+from rlgate.serving.openai_format import TextStream, TokenText, chat_logprobs, visible_text
 
 
 @pytest.fixture(scope="module")

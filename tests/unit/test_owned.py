@@ -14,8 +14,8 @@ from fastapi import FastAPI
 from rlgate.serving.listener import Listener, bind
 from rlgate.serving.middleware import InFlightLimit
 from rlgate.serving.owned import OwnedSessions, claim_journal
-from rlgate.sessions import hash_key
-from rlgate.trajectory import Interaction
+from rlgate.sessions.manager import hash_key
+from rlgate.sessions.trajectory import Interaction
 from tests.support import free_port
 
 SETTINGS = {

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from rlgate import cli, parity
-from rlgate.parity import FRESH_ENGINE_TOLERANCE, ParityReport, failures
+from rlgate.cli import main as cli
+from rlgate.rollout import parity
+from rlgate.rollout.parity import FRESH_ENGINE_TOLERANCE, ParityReport, failures
 
 
 def report(**changes) -> ParityReport:

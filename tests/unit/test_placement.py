@@ -1,11 +1,11 @@
-"""rlgate.placement: the bundles a run asks for, and what no cluster of given nodes can hold."""
+"""rlgate.training.placement: the bundles a run asks for, and what no cluster of given nodes can hold."""
 
 from __future__ import annotations
 
 import pytest
 
 from rlgate.config import ConfigError, parse_config
-from rlgate.placement import TRAINER_RESOURCE, Bundle, autoscaler_nodes, launcher_node_types, plan, unplaceable
+from rlgate.training.placement import TRAINER_RESOURCE, Bundle, autoscaler_nodes, launcher_node_types, plan, unplaceable
 
 
 def config(**sections):
@@ -86,7 +86,7 @@ def test_nodes_the_autoscaler_may_add_count_as_placeable():
 
 
 def test_what_keeps_a_run_from_starting_now_is_said():
-    from rlgate.placement import shortfall
+    from rlgate.training.placement import shortfall
 
     bundles = plan(config(rollout={"num_cpus": 1}, compute={"cpus_per_worker": 1}), 0)
     assert shortfall(bundles, [{"CPU": 2.0}]) is None
@@ -100,7 +100,7 @@ def test_what_keeps_a_run_from_starting_now_is_said():
 
 
 def test_a_run_waits_saying_why_until_it_fits_or_gives_up():
-    from rlgate.placement import wait_for_room
+    from rlgate.training.placement import wait_for_room
 
     bundles = plan(config(rollout={"num_cpus": 1}, compute={"cpus_per_worker": 1}), 0)
     free = iter([[{"CPU": 1.0}]] * 3 + [[{"CPU": 2.0}]])

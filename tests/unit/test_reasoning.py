@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from rlgate.models import prepare_model
-from rlgate.reasoning import ReasoningParser
+from rlgate.serving.reasoning import ReasoningParser
 from tests.support import ADMIN, serving_app
 
 ASK = [{"role": "user", "content": "What is 6 * 7?"}]
@@ -32,7 +32,7 @@ def think_tokenizer(think_path):
 
 @pytest.fixture(scope="module")
 async def think_engine(think_path):
-    from rlgate.engines.hf import HFEngine
+    from rlgate.rollout.engines.hf import HFEngine
 
     engine = HFEngine(think_path, max_model_len=1024)
     await engine.ready()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from rlgate.chat import exchange_keys, extend_key
+from rlgate.serving.chat import exchange_keys, extend_key
 from rlgate.serving.errors import HTTPError
 from rlgate.serving.responses import ResponseLog, ResponsesCall, ResponsesRequest, input_messages
 from tests.support import ADMIN, client, start

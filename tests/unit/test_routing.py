@@ -15,7 +15,7 @@ import pytest
 from rlgate.serving.auth import Slot, key_slot
 from rlgate.serving.errors import HTTPError
 from rlgate.serving.routing import OwnerRouter, SessionHeader, request_slot, session_header
-from rlgate.sessions import new_session_key
+from rlgate.sessions.manager import new_session_key
 
 
 def test_a_key_names_its_slot_and_only_session_keys_do():

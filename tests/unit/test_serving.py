@@ -134,8 +134,8 @@ async def test_a_large_prompt_is_tokenised_off_the_event_loop(served, monkeypatc
     worker thread (short prompts stay on the loop, where a thread hop costs more)."""
     import threading
 
-    from rlgate.chat import ChatRenderer
     from rlgate.serving import service
+    from rlgate.serving.chat import ChatRenderer
 
     http, _, _ = served
     threads = []

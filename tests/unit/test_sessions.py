@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from rlgate import sessions
-from rlgate.sessions import SessionError, SessionManager, hash_key, new_session_key, same_secret, sweep
-from rlgate.trajectory import Interaction
+from rlgate.sessions import manager as sessions
+from rlgate.sessions.manager import SessionError, SessionManager, hash_key, new_session_key, same_secret, sweep
+from rlgate.sessions.trajectory import Interaction
 
 
 class FakeCapacity:

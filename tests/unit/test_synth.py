@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlgate.config import ConfigError, parse_config
-from rlgate.synth import is_synth_shape
+from rlgate.jobs.synth import is_synth_shape
 
 SYNTH = {
     "algorithm": {"type": "online", "method": "policy_gradient", "variety": "gspo"},
@@ -217,7 +217,7 @@ def test_every_rl_config_shipped_in_synth_ai_parses_with_synth_ais_meaning():
     import tomllib
     import zipfile
 
-    from rlgate.synth import map_synth
+    from rlgate.jobs.synth import map_synth
     from tests.support import synth_ai_wheel
 
     shipped = {}
@@ -254,7 +254,7 @@ def test_what_synth_ais_sdk_adds_or_moves_keeps_its_meaning():
     [reference] placement = "none", nested [training.rewards] and weight_sync
     keys that weigh nothing, a verifier that is off; all accepted as meant, and
     every key that changes nothing listed."""
-    from rlgate.synth import map_synth
+    from rlgate.jobs.synth import map_synth
 
     sent = with_(
         policy={"model": "Qwen/Qwen3-0.6B", "model_name": "Qwen/Qwen3-0.6B", "trainer_mode": "full", "label": "x"},

@@ -1,4 +1,4 @@
-"""The task-app contract: rlgate.taskapp's app helper and the client the trainer
+"""The task-app contract: rlgate.sdk.taskapp's app helper and the client the trainer
 uses, over real HTTP on loopback. The policy here is a small fake OpenAI server
 (the gateway itself is exercised in test_gateway.py and test_training.py)."""
 
@@ -11,7 +11,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
-from rlgate.taskapp import (
+from rlgate.sdk.taskapp import (
     EnvSpec,
     Episode,
     Outcome,
@@ -151,7 +151,7 @@ def test_errors_never_repeat_what_the_task_app_answered():
 
 
 def test_a_client_with_an_allowlist_refuses_what_it_does_not_admit():
-    from rlgate.egress import Allowlist
+    from rlgate.jobs.egress import Allowlist
 
     with serve_asgi(create_task_app("add", add, api_key="")) as url:
         with pytest.raises(TaskAppError, match=r"GET .*/health: task app host '127.0.0.1' resolves to 127.0.0.1"):

@@ -19,7 +19,7 @@ ASK = [{"role": "user", "content": "What is 6 * 7?"}]
 
 @pytest.fixture(scope="module")
 async def tools_engine():
-    from rlgate.engines.hf import HFEngine
+    from rlgate.rollout.engines.hf import HFEngine
 
     engine = HFEngine(prepare_model("tiny-tools"), max_model_len=1024)
     await engine.ready()

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlgate.models import CHATML_TOOLS_TEMPLATE
-from rlgate.toolcalls import (
+from rlgate.serving.toolcalls import (
     CLOSE,
     OPEN,
     HermesToolParser,

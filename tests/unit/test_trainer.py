@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from rlgate.engines import SamplingParams, collect
-from rlgate.grpo import LossConfig, group_advantages
-from rlgate.trainer import PolicyTrainer, StepSettings, TrainBatch, collate, token_logprobs
+from rlgate.rollout.engines import SamplingParams, collect
+from rlgate.training.grpo import LossConfig, group_advantages
+from rlgate.training.policy_step import PolicyTrainer, StepSettings, TrainBatch, collate, token_logprobs
 
 
 def test_collate_aligns_everything_to_the_predicted_token():

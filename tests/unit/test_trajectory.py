@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from rlgate.trajectory import NO_VERSION, Interaction, SessionTrajectory
+from rlgate.sessions.trajectory import NO_VERSION, Interaction, SessionTrajectory
 
 
 def make(id, prompt, completion, parent=None, reward=None, key=None, logprobs=None, versions=None, finish="stop"):

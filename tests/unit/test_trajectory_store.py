@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlgate.trajectory_files import TrajectoryFiles
+from rlgate.sessions.trajectory_files import TrajectoryFiles
 from tests.support import Disk
 
 
@@ -59,7 +59,7 @@ def test_segments_roll_over_and_a_torn_line_is_cut_on_recovery(tmp_path):
 
 
 def test_last_seq_reads_the_log_without_touching_it(tmp_path):
-    from rlgate.trajectory_files import last_seq
+    from rlgate.sessions.trajectory_files import last_seq
 
     assert last_seq(tmp_path / "none") == 0
     files = TrajectoryFiles(tmp_path, segment_bytes=200)
@@ -82,7 +82,7 @@ def test_a_session_saved_twice_is_kept_once(tmp_path):
 
 
 def test_last_seq_looks_past_a_segment_with_nothing_complete(tmp_path):
-    from rlgate.trajectory_files import last_seq
+    from rlgate.sessions.trajectory_files import last_seq
 
     files = TrajectoryFiles(tmp_path)
     files.append([{"session_id": "a"}, {"session_id": "a"}])
@@ -124,7 +124,7 @@ def test_a_fragment_left_behind_is_cut_before_the_next_append(tmp_path):
 
 
 def test_a_line_that_is_not_a_record_is_skipped_and_counted(tmp_path):
-    from rlgate.trajectory_files import last_seq
+    from rlgate.sessions.trajectory_files import last_seq
 
     files = TrajectoryFiles(tmp_path)
     files.append(session("a", 1))

@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from rlgate.weight_sync import EngineSyncClient
+from rlgate.rollout.weight_sync import EngineSyncClient
 
 
 class RecordingEngine:

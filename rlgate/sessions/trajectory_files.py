@@ -15,7 +15,7 @@ import sqlite3
 from pathlib import Path
 
 from rlgate.logfile import append_whole, cut_torn_tail, json_lines, open_log
-from rlgate.trajectory import TrajectoryRecord
+from rlgate.sessions.trajectory import TrajectoryRecord
 
 logger = logging.getLogger(__name__)
 

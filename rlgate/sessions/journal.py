@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from rlgate.logfile import append_whole, json_lines, open_log
-from rlgate.trajectory import Interaction, SessionTrajectory
+from rlgate.sessions.trajectory import Interaction, SessionTrajectory
 
 logger = logging.getLogger(__name__)
 COMPACT_BYTES = 64 * 2**20

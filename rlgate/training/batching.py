@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlgate.trajectory import TrajectoryRecord
+from rlgate.sessions.trajectory import TrajectoryRecord
 
 
 @dataclass

@@ -23,8 +23,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from rlgate.journal import JournalTooBig, SessionJournal
-from rlgate.trajectory import ExportStyle, Interaction, SessionTrajectory
+from rlgate.sessions.journal import JournalTooBig, SessionJournal
+from rlgate.sessions.trajectory import ExportStyle, Interaction, SessionTrajectory
 
 # A request still generating keeps its session from idling out, but no longer
 # than this: a gateway that died mid-request must not pin a session forever.

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rlgate.grpo import LossConfig, PolicyBatch, denominator, policy_loss
-from rlgate.trajectory import TrajectoryRecord
+from rlgate.sessions.trajectory import TrajectoryRecord
+from rlgate.training.grpo import LossConfig, PolicyBatch, denominator, policy_loss
 
 
 @dataclass
@@ -87,7 +87,7 @@ def logprobs_and_entropy(model: torch.nn.Module, batch: TrainBatch) -> tuple[tor
 
 @dataclass
 class StepSettings:
-    variety_loss: str = "ppo_clip"  # a key of rlgate.grpo.POLICY_LOSSES
+    variety_loss: str = "ppo_clip"  # a key of rlgate.training.grpo.POLICY_LOSSES
     loss: LossConfig = LossConfig()
     max_staleness: int = 0
     updates_per_batch: int = 1

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 if TYPE_CHECKING:
-    from rlgate.egress import Allowlist
+    from rlgate.jobs.egress import Allowlist
 
 API_KEY_ENV = "ENVIRONMENT_API_KEY"
 logger = logging.getLogger(__name__)
@@ -249,7 +249,7 @@ class TaskAppClient:
     """The trainer's side of the contract, over ``httpx.AsyncClient``.
 
     With ``allowed`` (a run's driver passes ``[jobs] task_app_hosts``), every
-    connection is checked against it as it is made (:mod:`rlgate.egress`).
+    connection is checked against it as it is made (:mod:`rlgate.jobs.egress`).
     Errors never quote what the app answered, only its status, content type
     and length: a job's error is readable with the job's own key, and a URL
     pointing at an internal service must not turn its answers into text."""
@@ -269,7 +269,7 @@ class TaskAppClient:
     def _client(self, timeout_s: float):
         import httpx
 
-        from rlgate.egress import GuardedTransport
+        from rlgate.jobs.egress import GuardedTransport
 
         transport = GuardedTransport(self.allowed) if self.allowed is not None else None
         return httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=timeout_s, transport=transport)
@@ -283,7 +283,7 @@ class TaskAppClient:
     async def _get(self, path: str) -> dict:
         import httpx
 
-        from rlgate.egress import TargetRefused
+        from rlgate.jobs.egress import TargetRefused
 
         where = f"GET {self.base_url}{path}"
         try:
@@ -315,7 +315,7 @@ class TaskAppClient:
     async def rollout(self, request: RolloutRequest) -> RolloutResponse:
         import httpx
 
-        from rlgate.egress import TargetRefused
+        from rlgate.jobs.egress import TargetRefused
 
         try:
             answer = await self.http.post("/rollout", json=request.model_dump(mode="json", exclude_none=True))

@@ -1,4 +1,4 @@
-"""Rollout engines behind one interface (:class:`rlgate.engines.base.Engine`).
+"""Rollout engines behind one interface (:class:`rlgate.rollout.engines.base.Engine`).
 
 ``make_engine`` picks and builds one from the ``[rollout]`` config section;
 vLLM and transformers are imported only by the engine that needs them.
@@ -10,7 +10,7 @@ import importlib.util
 from pathlib import Path
 
 from rlgate.config import RolloutConfig
-from rlgate.engines.base import (
+from rlgate.rollout.engines.base import (
     Completion,
     Engine,
     EngineHealth,
@@ -59,7 +59,7 @@ def make_engine(
     """Build (not start) the engine that ``rollout.engine`` names; call ``await engine.ready()``."""
     kind = resolve_engine_kind(rollout.engine)
     if kind == "vllm":
-        from rlgate.engines.vllm import VLLMEngine
+        from rlgate.rollout.engines.vllm import VLLMEngine
 
         return VLLMEngine(
             model_path,
@@ -72,7 +72,7 @@ def make_engine(
             weight_transfer=rollout.weight_sync,
             initial_version=initial_version,
         )
-    from rlgate.engines.hf import HFEngine
+    from rlgate.rollout.engines.hf import HFEngine
 
     return HFEngine(
         model_path,

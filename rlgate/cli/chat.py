@@ -41,7 +41,7 @@ def run_chat(config_path: str, max_tokens: int = 64) -> int:
 
     from rlgate.config import load_config
     from rlgate.serving.routing import serve_start_options
-    from rlgate.sessions import hash_key
+    from rlgate.sessions.manager import hash_key
     from serve_app import build_app, resolve_model
 
     console = Console()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlgate.engines.base import Engine, SamplingParams, TokenChunk, check_update, read_safetensors_specs
+from rlgate.rollout.engines.base import Engine, SamplingParams, TokenChunk, check_update, read_safetensors_specs
 
 if TYPE_CHECKING:
     import torch

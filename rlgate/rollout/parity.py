@@ -75,9 +75,9 @@ async def _run(model_name, engine_kind, dtype, max_tokens, learning_rate, fresh_
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlgate.config import RolloutConfig
-    from rlgate.engines import make_engine, resolve_engine_kind
     from rlgate.models import BUILTIN_DTYPES, prepare_model
-    from rlgate.weight_sync import FileWeightSender, IpcWeightSender
+    from rlgate.rollout.engines import make_engine, resolve_engine_kind
+    from rlgate.rollout.weight_sync import FileWeightSender, IpcWeightSender
 
     kind = resolve_engine_kind(engine_kind)
     if weight_sync == "ipc" and not (kind == "vllm" and torch.cuda.is_available()):
@@ -145,7 +145,7 @@ async def _run(model_name, engine_kind, dtype, max_tokens, learning_rate, fresh_
 
 async def _sample(engine, prompts, max_tokens):
     """A greedy and a seeded temperature-1 completion per prompt."""
-    from rlgate.engines import SamplingParams, collect
+    from rlgate.rollout.engines import SamplingParams, collect
 
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     sampled = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1000 + i) for i in range(len(prompts))]

@@ -199,12 +199,12 @@ def builtin_episodes(
 def task_app_episodes(
     app, config, model: str, run_id: str, mode: str = "rl"
 ) -> tuple[Iterator[tuple[str, int]], Callable[[dict, int], Awaitable[float | tuple[float, list[float]]]]]:
-    """``(groups, run)`` for :func:`play` against a task app (``rlgate.taskapp.TaskAppClient``):
+    """``(groups, run)`` for :func:`play` against a task app (``rlgate.sdk.taskapp.TaskAppClient``):
     a group per seed (``[task] seeds`` in turn, or 0, 1, 2, ...); each episode is one
     ``POST /rollout`` whose policy is the session's scoped inference URL. Its
     ``metrics.outcome_reward`` is the reward; ``metrics.event_rewards``, when
     given, are per-turn rewards on the session's completions in order."""
-    from rlgate.taskapp import EnvSpec, PolicySpec, RolloutRequest, TaskAppError
+    from rlgate.sdk.taskapp import EnvSpec, PolicySpec, RolloutRequest, TaskAppError
 
     task = config.task
     name = task.env_name or "task"

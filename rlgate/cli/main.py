@@ -23,8 +23,8 @@ import json
 import os
 import sys
 
-from rlgate.client import DEFAULT_URL
 from rlgate.models import BUILTIN_DTYPES, ModelNotFoundError, prepare_model
+from rlgate.sdk.client import DEFAULT_URL
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train" and args.backend is None:
         return _train_here(args)
     if args.command in ("train", "jobs", "session"):
-        from rlgate.client import RLGateError
+        from rlgate.sdk.client import RLGateError
 
         try:
             return _http_command(args)
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "check-parity":
             return _check_parity(args)
         if args.command == "chat":
-            from rlgate.scripted_chat import run_chat
+            from rlgate.cli.chat import run_chat
 
             return run_chat(args.config)
         if args.command == "trajectories":
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 def _export(args) -> int:
     from transformers import AutoTokenizer
 
-    from rlgate.export import export, run_model
+    from rlgate.cli.export import export, run_model
 
     model = args.model or run_model(args.run)
     if model is None:
@@ -168,7 +168,7 @@ def _check_parity(args) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the report readable
     from transformers.utils import logging as hf_logging
 
-    from rlgate.parity import failures, run_parity, tolerance_for
+    from rlgate.rollout.parity import failures, run_parity, tolerance_for
 
     hf_logging.disable_progress_bar()
     report = run_parity(
@@ -204,7 +204,7 @@ def _hint(err, args) -> str:
 
 
 def _http_command(args) -> int:
-    from rlgate.client import RLGateError, RLJob, Session, list_jobs
+    from rlgate.sdk.client import RLGateError, RLJob, Session, list_jobs
 
     if args.api_key is None and not (args.command == "session" and args.action in ("reward", "end")):
         raise RLGateError(401, "no API key given")

@@ -5,7 +5,7 @@ runs as a Ray job (``train_driver.py``). Here, without Ray: the request and
 record models, turning a request into a validated :class:`RLGateConfig`,
 Ray's job status in our words, and the events and progress read off the
 run's ``metrics.jsonl``. Whether the cluster could ever hold a job is
-:mod:`rlgate.placement`'s.
+:mod:`rlgate.training.placement`'s.
 
 Status moves ``queued`` → ``running`` → ``succeeded`` | ``failed`` |
 ``cancelled``; events are ``rl.created``, ``rl.running``,
@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlgate.config import ConfigError, RLGateConfig, parse_config_noting
-from rlgate.synth import from_synth, is_synth_shape
+from rlgate.jobs.synth import from_synth, is_synth_shape
 
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 FINISHED = ("succeeded", "failed", "cancelled")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from rlgate.engines.base import Engine, WeightUpdateReport
+    from rlgate.rollout.engines.base import Engine, WeightUpdateReport
 
 
 class FileWeightSender:
@@ -75,7 +75,7 @@ class IpcWeightSender:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-        from rlgate.engines.base import WeightUpdateReport
+        from rlgate.rollout.engines.base import WeightUpdateReport
 
         loop = asyncio.get_running_loop()
         started = time.perf_counter()

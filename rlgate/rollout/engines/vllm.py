@@ -6,7 +6,7 @@ environment defaults below differ.
 
 Weight sync goes through vLLM's public extension points: the trainer's state
 dict is written to a safetensors file in shared memory, and every worker
-loads it through :class:`rlgate.engines.vllm_worker.WeightSyncExtension`
+loads it through :class:`rlgate.rollout.engines.vllm_worker.WeightSyncExtension`
 (``collective_rpc``), between ``pause_generation`` and ``resume_generation``,
 followed by a prefix-cache reset.
 """
@@ -22,8 +22,8 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlgate.engines import reaper
-from rlgate.engines.base import (
+from rlgate.rollout.engines import reaper
+from rlgate.rollout.engines.base import (
     Engine,
     SamplingParams,
     TokenChunk,
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_WORKER_EXTENSION = "rlgate.engines.vllm_worker.WeightSyncExtension"
+_WORKER_EXTENSION = "rlgate.rollout.engines.vllm_worker.WeightSyncExtension"
 
 
 def cpu_environment_defaults() -> dict[str, str]:
@@ -138,7 +138,7 @@ class VLLMEngine(Engine):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        os.environ[reaper.OWNER_ENV] = str(os.getpid())  # its processes end with this one (rlgate.engines.reaper)
+        os.environ[reaper.OWNER_ENV] = str(os.getpid())  # its processes end with this one (reaper)
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         await self._llm.update_weight_version(str(self.version))
 
@@ -298,7 +298,7 @@ class VLLMEngine(Engine):
 
     # --- GPU fast path -------------------------------------------------------
     # The trainer drives these through vLLM's trainer-side weight-transfer
-    # engine (see rlgate.weight_sync); tensors go GPU to GPU by CUDA IPC, never
+    # engine (see rlgate.rollout.weight_sync); tensors go GPU to GPU by CUDA IPC, never
     # through a file. The same pause / reset-prefix-cache / version steps apply.
 
     async def init_weight_transfer(self, init_info: dict) -> None:

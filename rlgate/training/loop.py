@@ -16,9 +16,9 @@ import time
 import ray
 import torch
 
-from rlgate.batching import Batch, GroupBuffer
-from rlgate.grpo import denominator, group_advantages
-from rlgate.trajectory import TrajectoryRecord
+from rlgate.sessions.trajectory import TrajectoryRecord
+from rlgate.training.batching import Batch, GroupBuffer
+from rlgate.training.grpo import denominator, group_advantages
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def score(batch: Batch, estimator: str) -> tuple[list[dict], list[float]]:
 
 
 def normaliser(records: list[TrajectoryRecord], version: int, max_staleness: int, aggregation: str) -> float:
-    """:func:`rlgate.grpo.denominator` over the whole batch, stale tokens dropped,
+    """:func:`rlgate.training.grpo.denominator` over the whole batch, stale tokens dropped,
     for every worker's share of it."""
     oldest = version - max_staleness
     fresh = sum(m and v >= oldest for r in records for m, v in zip(r["loss_mask"][1:], r["versions"][1:]))
