@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import tempfile
 import threading
 import time
@@ -33,16 +32,7 @@ from rlgate.config import RLGateConfig
 from rlgate.run import CHECKPOINTS, NAMESPACE, STATE_FILE, checkpoint_states, checkpoints_dir
 from rlgate.training.grpo import LossConfig
 from rlgate.training.loop import surviving
-from rlgate.training.policy_step import PolicyTrainer, StepSettings, collate
-
-
-def shard(rows: list, rank: int, world: int) -> list:
-    """Rank ``rank``'s share of ``rows``, padded so every rank gets as many rows
-    (and so runs as many forward/backward passes): padding rows have no loss."""
-    mine = rows[rank::world]
-    width = math.ceil(len(rows) / world)
-    padding = {**rows[0][0], "loss_mask": [0] * len(rows[0][0]["loss_mask"])}
-    return mine + [(padding, 0.0)] * (width - len(mine))
+from rlgate.training.policy_step import PolicyTrainer, StepSettings, collate, shard
 
 
 def step_settings(settings: RLGateConfig) -> StepSettings:

@@ -18,6 +18,7 @@ A step then:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,15 @@ class TrainBatch:
 
     def rows(self, index: slice) -> TrainBatch:
         return TrainBatch(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
+
+
+def shard(rows: list, rank: int, world: int) -> list:
+    """Rank ``rank``'s share of ``rows``, padded so every rank gets as many rows
+    (and so runs as many forward/backward passes): padding rows have no loss."""
+    mine = rows[rank::world]
+    width = math.ceil(len(rows) / world)
+    padding = {**rows[0][0], "loss_mask": [0] * len(rows[0][0]["loss_mask"])}
+    return mine + [(padding, 0.0)] * (width - len(mine))
 
 
 def collate(records: list[TrajectoryRecord], advantages: list[float], pad_id: int = 0) -> TrainBatch:

@@ -1,6 +1,10 @@
-"""The driver's loop, without Ray: calls to actors that restart in place (faked), advantages and the loss normaliser."""
+"""The driver's loop, without Ray: calls to actors that restart in place, reads and
+discards (faked), advantages and the loss normaliser."""
 
 from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
 
 import pytest
 import ray.exceptions
@@ -73,3 +77,56 @@ def test_the_drivers_normaliser_is_the_trainers_denominator_over_the_whole_batch
     expected = denominator(aggregation, mask.shape[0], float(mask.sum()), mask.shape[1])
     assert loop.normaliser(records, version=6, max_staleness=1, aggregation=aggregation) == expected
     assert {"token_mean": 6.0, "seq_mean_token_mean": 2.0, "seq_mean_token_sum_norm": 10.0}[aggregation] == expected
+
+
+class Reads:
+    """A TrajectoryStore's ``read``, faked: each call hands out the next list of
+    records newer than the seq asked from (then nothing)."""
+
+    def __init__(self, *reads: list[dict]) -> None:
+        self.reads, self.asked_after = list(reads), []
+        self.read = SimpleNamespace(remote=self._read)
+
+    def _read(self, after: int, limit: int) -> list[dict]:
+        self.asked_after.append(after)
+        return [r for r in self.reads.pop(0) if r["seq"] > after][:limit] if self.reads else []
+
+
+class Discards:
+    """A CapacityActor's ``discard``, faked: the counts it was given."""
+
+    def __init__(self) -> None:
+        self.given: list[int] = []
+        self.discard = SimpleNamespace(remote=self.given.append)
+
+
+def saved(seq: int, task: str, session: str, reward: float, version: int = 0) -> dict:
+    return {**record(session, reward, 2, [version] * 2), "seq": seq, "task_id": task}
+
+
+def test_collect_waits_for_whole_groups_and_hands_dropped_sessions_back_to_capacity(monkeypatch):
+    from rlgate.training.batching import GroupBuffer
+
+    monkeypatch.setattr(loop.ray, "get", lambda value: value)
+    buffer = GroupBuffer(batch_size=4, group_size=2, drop_equal_reward_groups=True)
+    store = Reads(
+        [saved(1, "a", "s1", 1.0), saved(2, "b", "s2", 0.5)],  # two groups begun: no batch yet
+        [saved(3, "b", "s3", 0.5), saved(4, "a", "s4", 0.0)],  # b's rewards are equal: dropped
+        [saved(5, "c", "s5", 0.0), saved(6, "c", "s6", 1.0)],
+    )
+    capacity = Discards()
+    batch = loop.collect(buffer, store, capacity, threading.Event(), version=0, max_staleness=0, poll_s=0)
+    assert [sorted(g.sessions) for g in batch.groups] == [["s1", "s4"], ["s5", "s6"]] and batch.partial == []
+    assert store.asked_after == [0, 2, 4]  # each read goes on from the last record read
+    assert capacity.given == [2]  # group b's two sessions, handed back as soon as they were dropped
+
+
+def test_collect_drops_groups_the_version_may_not_train_and_stops_when_told(monkeypatch):
+    from rlgate.training.batching import GroupBuffer
+
+    monkeypatch.setattr(loop.ray, "get", lambda value: value)
+    buffer, capacity, stop = GroupBuffer(batch_size=2, group_size=2), Discards(), threading.Event()
+    store = Reads([saved(1, "old", "s1", 1.0, version=1), saved(2, "old", "s2", 0.0, version=1)])
+    monkeypatch.setattr(stop, "wait", lambda s: stop.set())  # the first idle wait ends the loop
+    assert loop.collect(buffer, store, capacity, stop, version=3, max_staleness=1, poll_s=0) is None
+    assert capacity.given == [2] and buffer.counters.dropped_stale == 2  # version 1 < 3 - 1: too old to train

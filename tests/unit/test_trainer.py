@@ -133,3 +133,19 @@ async def test_logprobs_are_scored_at_the_sampling_temperature(hf_engine, prompt
     assert (at_one - batch.behaviour_logp)[mask].abs().max() > 1e-2  # temperature 1 would not be
     metrics = make_trainer(reference_model).step(batch, version=0)
     assert metrics["logprob_mismatch_max"] < 1e-4
+
+
+@pytest.mark.parametrize("rows,world", [(8, 2), (7, 2), (5, 3), (1, 4)])
+def test_every_row_goes_to_one_worker_and_every_worker_runs_as_many(rows, world):
+    """The worker's share of a batch: rows dealt round-robin, each exactly once;
+    shorter shares padded with rows that carry no loss, so every worker runs the
+    same number of passes (DDP's all-reduce waits for all of them)."""
+    from rlgate.training.policy_step import shard
+
+    batch = [({"seq": i, "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}, float(i + 1)) for i in range(rows)]
+    shares = [shard(batch, rank, world) for rank in range(world)]
+    assert len({len(share) for share in shares}) == 1  # as many rows each
+    real = [(r["seq"], a) for share in shares for r, a in share if any(r["loss_mask"])]
+    assert sorted(real) == [(i, float(i + 1)) for i in range(rows)]  # each row once, with its advantage
+    padding = [(r, a) for share in shares for r, a in share if not any(r["loss_mask"])]
+    assert len(padding) == world * -(-rows // world) - rows and all(a == 0.0 for _, a in padding)

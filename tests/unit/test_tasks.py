@@ -1,0 +1,84 @@
+"""The agent loop that plays episodes through the gateway (``tasks.play``),
+against a small fake of the gateway's session routes on a loopback port."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from rlgate.training.tasks import EpisodeStats, get_task, play
+from tests.support import serve_asgi
+
+
+def gateway(refusals: int = 0) -> tuple[FastAPI, list[tuple]]:
+    """The session routes, recording every call; the first ``refusals`` starts answer 429."""
+    app, calls, keys = FastAPI(), [], itertools.count(1)
+    refused = [refusals]
+
+    @app.post("/rl/start_session")
+    async def start(request: Request):
+        body = await request.json()
+        calls.append(("start", body["task_id"], request.headers["authorization"]))
+        if refused[0]:
+            refused[0] -= 1
+            return JSONResponse({"error": {"message": "no capacity"}}, status_code=429, headers={"Retry-After": "1"})
+        return {"api_key": f"key-{next(keys)}", "session_id": "s", "inference_url": "unused"}
+
+    @app.post("/rl/set_reward")
+    async def reward(request: Request):
+        calls.append(("reward", request.headers["authorization"], (await request.json())["reward"]))
+        return {}
+
+    @app.post("/rl/end_session")
+    async def end(request: Request):
+        body = await request.body()
+        calls.append(("end", request.headers["authorization"], b'"failed":true' in body.replace(b" ", b"")))
+        return {}
+
+    return app, calls
+
+
+async def test_each_problem_is_a_group_of_sessions_rewarded_and_ended_and_a_failure_costs_one_episode():
+    app, calls = gateway(refusals=1)
+    stop, stats = threading.Event(), EpisodeStats()
+    problems = iter([("t1", "p1"), ("t2", "p2"), ("t3", "p3")] + [("more", "p")] * 100)
+
+    async def run(session: dict, problem: str) -> float:
+        if session["api_key"] == "key-2":
+            raise RuntimeError("the simulator fell over at /s/rlg-secret/v1")
+        if stats.played + stats.failed >= 5:
+            stop.set()
+        return 1.0 if problem == "p1" else (0.5, [0.25, 0.25])
+
+    with serve_asgi(app) as url:
+        await play(url, "admin", problems, run, group_size=2, concurrency=2, stop=stop, stats=stats)
+    starts = [c for c in calls if c[0] == "start"]
+    assert [t for _, t, _ in starts[:5]] == ["t1", "t1", "t1", "t2", "t2"]  # a group per problem; a 429 is asked again
+    assert all(who == "Bearer admin" for _, _, who in starts)
+    ended = {who: failed for kind, who, failed in calls if kind == "end"}
+    rewarded = {who: reward for kind, who, reward in calls if kind == "reward"}
+    assert ended["Bearer key-2"] is True and "Bearer key-2" not in rewarded  # ended as failed, never rewarded
+    assert all(not failed for who, failed in ended.items() if who != "Bearer key-2")
+    assert set(rewarded) == set(ended) - {"Bearer key-2"}  # every other episode rewarded, then ended
+    assert stats.failed == 1 and stats.played == len(rewarded) and stats.fatal is None
+    assert "rlg-secret" not in stats.last_error and "/s/<session key>" in stats.last_error  # keys are redacted
+
+
+async def test_a_player_whose_every_episode_fails_says_the_environment_is_down_and_stops():
+    app, calls = gateway()
+    stats = EpisodeStats()
+
+    async def run(session: dict, problem) -> float:
+        raise ConnectionError("database unreachable")
+
+    task = get_task("vowels")
+    problems = ((f"t{i}", task.problem(random.Random(i))) for i in itertools.count())
+    with serve_asgi(app) as url:
+        await play(url, "admin", problems, run, 2, 2, threading.Event(), stats, down_after_s=0.0)
+    assert stats.fatal.startswith("every episode for") and "ConnectionError: database unreachable" in stats.fatal
+    assert stats.played == 0 and stats.failed >= 3
+    assert all(failed for kind, _, failed in calls if kind == "end")
