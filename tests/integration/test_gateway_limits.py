@@ -85,8 +85,9 @@ def test_refresh_without_capacity_says_the_old_session_was_ended(clean, ray_sess
         ray_session.get(capacity.detach.remote())
     again = clean.start_session(api_key=a["api_key"])  # the same key starts afresh once capacity is back
     assert again["api_key"] == a["api_key"]
-    for key in (a["api_key"], b["api_key"]):
-        assert end(clean, key) == 200
+    assert end(clean, a["api_key"]) == 200
+    # b only held the second seat; idle since it started, the 6 s idle timeout may have ended it already
+    assert end(clean, b["api_key"]) in (200, 410)
 
 
 def test_concurrent_refreshes_of_one_key_never_give_two_sessions(clean):

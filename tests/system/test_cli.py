@@ -35,10 +35,12 @@ def test_check_parity_on_tiny_random():
 
 @needs_vllm
 def test_check_parity_on_smollm2():
-    result, fields = check_parity("--model", "smollm2-135m-instruct")
+    """A real model's weights, before and after a push (the fresh-engine comparison,
+    a second engine start, is the tiny-random test's)."""
+    result, fields = check_parity("--model", "smollm2-135m-instruct", "--no-fresh-engine")
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert float(fields["max_abs_logprob_diff"]) < 2e-4
-    assert float(fields["max_abs_logprob_diff_vs_fresh_engine"]) <= FRESH_ENGINE_TOLERANCE
+    assert "max_abs_logprob_diff_vs_fresh_engine" not in fields
     assert float(fields["logprob_change_from_update"]) > 1e-2
 
 

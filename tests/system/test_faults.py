@@ -350,15 +350,19 @@ def test_a_killed_rollout_replica_fails_its_requests_cleanly_and_returns_on_the_
     body = {"model": "tiny-random", "messages": [{"role": "user", "content": "go"}], "max_tokens": 450}
     url = f"{app.url}/v1/chat/completions"
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        # The stream first: once its tokens flow, the HF engine's batch is the stream's alone and
+        # the second request waits for it (450 tokens), so both are in flight when the replica dies
         flowing = threading.Event()
         streamed = pool.submit(stream_lines, url, body | {"ignore_eos": True}, streaming, flowing)
+        assert flowing.wait(120), "the stream never started"
         answered = pool.submit(
             httpx.post, url, json=body | {"ignore_eos": True}, headers=session(app, whole), timeout=120
         )
         deadline = time.monotonic() + 60
-        while not flowing.is_set() or app.rollout.health.remote().result()["running_requests"] < 2:
+        while app.rollout.health.remote().result()["running_requests"] < 2:
             early = answered.result() if answered.done() else None  # what it said, should it end first
             assert early is None, f"the non-streamed request ended first: {early.status_code} {early.text[:300]}"
+            assert not streamed.done(), "the stream ended before the second request arrived"
             assert time.monotonic() < deadline, "the requests never ran together"
             time.sleep(0.05)
         os.kill(replica_pid("gw-faults"), signal.SIGKILL)
