@@ -36,11 +36,11 @@ from pathlib import Path
 
 from ray import serve
 
-from actors.capacity import get_or_create_capacity
-from actors.job_manager import get_or_create_job_manager
-from actors.policy_store import PolicyFollower, get_or_create_policy_store
-from actors.session_store import SessionStore, owned_sessions
-from actors.trajectory_store import TrajectoryStore
+from rlgate.actors.capacity import get_or_create_capacity
+from rlgate.actors.job_manager import get_or_create_job_manager
+from rlgate.actors.policy_store import PolicyFollower, get_or_create_policy_store
+from rlgate.actors.session_store import SessionStore, owned_sessions
+from rlgate.actors.trajectory_store import TrajectoryStore
 from rlgate.config import RLGateConfig
 from rlgate.rollout.engines import RequestLog, make_engine
 from rlgate.run import NAMESPACE, actor_name

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ray import serve
 
-from actors.policy_store import PolicyFollower, get_or_create_policy_store
+from rlgate.actors.policy_store import PolicyFollower, get_or_create_policy_store
 from rlgate.config import RLGateConfig
 from rlgate.rollout.engines import Completion, Engine, RequestLog, SamplingParams, TokenChunk, collect, make_engine
 from rlgate.run import NAMESPACE, actor_name

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import ray
 
-from actors.capacity import CapacityClient
+from rlgate.actors.capacity import CapacityClient
 from rlgate.serving.owned import OwnedSessions
 from rlgate.sessions.manager import Parent
 from rlgate.sessions.trajectory import Interaction

@@ -27,7 +27,7 @@ import ray
 import torch
 from ray.train import Checkpoint
 
-from actors.policy_store import Republisher
+from rlgate.actors.policy_store import Republisher
 from rlgate.config import RLGateConfig
 from rlgate.run import CHECKPOINTS, NAMESPACE, STATE_FILE, checkpoint_states, checkpoints_dir
 from rlgate.training.grpo import LossConfig
@@ -176,7 +176,7 @@ class TrainerWorkers:
         from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
 
-        from actors.train_channel import TrainChannel
+        from rlgate.actors.train_channel import TrainChannel
 
         self.channel = TrainChannel.options(name=setup["channel"], namespace=NAMESPACE).remote(first_command)
         self.workers = workers

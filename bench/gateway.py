@@ -185,8 +185,8 @@ def rlgate_server(
     from ray import serve
 
     from rlgate.config import parse_config
+    from rlgate.serving.app import build_app
     from rlgate.sessions.manager import hash_key
-    from serve_app import build_app
 
     admin = secrets.token_hex(16)
     config = parse_config(

@@ -357,8 +357,8 @@ def start_gateway(ray_session, tmp_path_factory, name: str, settings: dict) -> G
     from ray import serve
 
     from rlgate.config import parse_config
+    from rlgate.serving.app import build_app
     from rlgate.sessions.manager import hash_key
-    from serve_app import build_app
 
     run_root = tmp_path_factory.mktemp(name)
     settings = {**settings, "gateway": {"run_dir": str(run_root), "run_name": name, **settings.get("gateway", {})}}

@@ -40,9 +40,9 @@ def run_chat(config_path: str, max_tokens: int = 64) -> int:
     from rich.text import Text
 
     from rlgate.config import load_config
+    from rlgate.serving.app import build_app, resolve_model
     from rlgate.serving.routing import serve_start_options
     from rlgate.sessions.manager import hash_key
-    from serve_app import build_app, resolve_model
 
     console = Console()
     config = load_config(config_path)

@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     chat = commands.add_parser("chat", help="serve the model on Ray, run a short scripted chat, save its trajectory")
     chat.add_argument("--config", default="configs/chat.toml")
 
-    commands.add_parser("serve", help="run the gateway and rollout engines (serve_app.py)", add_help=False)
+    commands.add_parser("serve", help="run the gateway and rollout engines (as serve_app.py)", add_help=False)
 
     def http(command, default_backend: str | None = DEFAULT_URL):
         command.add_argument(
@@ -112,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # serve_app.py's own options
-        from serve_app import main as serve
+        from rlgate.serving.app import main as serve
 
         sys.argv = ["rlgate serve", *argv[1:]]
         serve()
@@ -243,20 +243,20 @@ def _http_command(args) -> int:
 
 
 def _train_here(args) -> int:
-    """``train_driver.py`` with this config, on this machine's Ray (started if none runs)."""
+    """The training driver (``train_driver.py``) with this config, on this machine's Ray (started if none runs)."""
     if args.idempotency_key or args.poll:
         print("rlgate: error: --idempotency-key and --poll are for jobs on a gateway", file=sys.stderr)
         print("rlgate: hint: give the gateway with --backend or RLGATE_URL", file=sys.stderr)
         return 2
-    import train_driver  # Ray, torch: only once it is sure to run
+    from rlgate.training import driver  # Ray, torch: only once it is sure to run
 
     if args.task_app_key:
         os.environ["ENVIRONMENT_API_KEY"] = args.task_app_key
-    driver = ["--config", args.config] + (["--resume"] if args.resume else [])
+    options = ["--config", args.config] + (["--resume"] if args.resume else [])
     for flag, value in (("--run-dir", args.run_dir), ("--task-app", args.task_app), ("--model", args.model)):
-        driver += [flag, value] if value else []
-    sys.argv = ["rlgate train", *driver]
-    return train_driver.main()
+        options += [flag, value] if value else []
+    sys.argv = ["rlgate train", *options]
+    return driver.main()
 
 
 def _follow(job) -> int:

@@ -22,6 +22,6 @@
   direct listener's in-flight limit (pure ASGI).
 
 Only ``clients`` (Ray calls) and ``routing`` (Serve's router) import Ray.
-``actors.gateway.Gateway`` is the Ray Serve deployment: it makes the clients
+``rlgate.actors.gateway.Gateway`` is the Ray Serve deployment: it makes the clients
 and serves ``build_app``.
 """

@@ -44,7 +44,7 @@ async def settle(ref):
 
 
 class SessionClient:
-    """The run's SessionStore actor (``actors.session_store``)."""
+    """The run's SessionStore actor (``rlgate.actors.session_store``)."""
 
     def __init__(self, store) -> None:
         self.store = store
@@ -93,7 +93,7 @@ _ENGINE_FAILURES = (RayTaskError, RayActorError, RuntimeError, BackPressureError
 
 
 class EngineClient:
-    """The RolloutServer deployment (``actors.rollout_server``), through its Serve handle."""
+    """The RolloutServer deployment (``rlgate.actors.rollout_server``), through its Serve handle."""
 
     def __init__(self, handle) -> None:
         self.handle = handle

@@ -1,7 +1,7 @@
 """Sessions owned by the process that serves them: state, journal, idle sweep, metrics.
 
 :class:`OwnedSessions` is the session side of a process that holds sessions
-itself: the SessionStore actor (``actors.session_store``) and, with
+itself: the SessionStore actor (``rlgate.actors.session_store``) and, with
 ``[gateway] colocate = true``, each Gateway replica. It is
 :class:`LocalSessions` (a :class:`SessionManager`
 behind the gateway's session interface, as tests use it) plus what a long-lived owner needs:

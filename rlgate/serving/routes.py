@@ -1,6 +1,6 @@
 """The gateway's HTTP API: FastAPI routes over a :class:`GatewayService`.
 
-:func:`build_app` makes the ASGI app a gateway replica serves (``actors.gateway``
+:func:`build_app` makes the ASGI app a gateway replica serves (``rlgate.actors.gateway``
 hands it to Ray Serve) and that tests can call directly. Routes only frame:
 they read the request, call the service and return its answer.
 

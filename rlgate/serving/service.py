@@ -1,6 +1,6 @@
 """GatewayService: what every gateway route does, without HTTP framing and without Ray.
 
-Built once per gateway replica (``actors.gateway.Gateway``) from the run's
+Built once per gateway replica (``rlgate.actors.gateway.Gateway``) from the run's
 settings, the model's tokenizer and the clients of :mod:`rlgate.serving.clients`;
 :func:`rlgate.serving.routes.build_app` puts it behind FastAPI routes. Owns the
 tokenizer, the chat renderer and the tool-call parser; nothing durable.

@@ -1,6 +1,6 @@
 """Session admission: how many live sessions may start now.
 
-Pure logic, no Ray. Used by :class:`actors.capacity.CapacityActor`, which owns
+Pure logic, no Ray. Used by :class:`rlgate.actors.capacity.CapacityActor`, which owns
 the counters; kept apart so the rule is tested without a cluster.
 
 The rule is AReaL's staleness bound. With batch size ``B``, maximum

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -499,6 +500,11 @@ def new_session_key(slot: int | None = None) -> str:
 def same_secret(given: str, expected: str) -> bool:
     """Constant-time comparison of two secrets."""
     return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def redact(text: str) -> str:
+    """``text`` without session keys: an error quoting an inference URL names its key in the path."""
+    return re.sub(r"/s/[^/\s'\"]+", "/s/<session key>", text)
 
 
 async def sweep(manager: SessionManager, every_s: float, after: Callable[[], None] | None = None) -> None:

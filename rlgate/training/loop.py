@@ -4,7 +4,7 @@
 * :func:`score`: group-relative advantages (partial groups over the batch).
 * :func:`normaliser`: the loss denominator over the whole batch, for every worker.
 
-The Ray Train workers that take the batches are ``actors.trainer.TrainerWorkers``.
+The Ray Train workers that take the batches are ``rlgate.actors.trainer.TrainerWorkers``.
 """
 
 from __future__ import annotations

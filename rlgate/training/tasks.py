@@ -21,6 +21,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlgate.sessions.manager import redact
+
 logger = logging.getLogger(__name__)
 
 
@@ -68,11 +70,6 @@ def get_task(name: str):
     if name not in TASKS:
         raise ValueError(f"unknown built-in task {name!r}; known: {', '.join(TASKS)}")
     return TASKS[name]()
-
-
-def redact(text: str) -> str:
-    """``text`` without session keys: an error quoting an inference URL names its key in the path."""
-    return re.sub(r"/s/[^/\s'\"]+", "/s/<session key>", text)
 
 
 @dataclass

@@ -107,7 +107,7 @@ def test_negative_counts_name_the_field(field):
 @pytest.fixture
 def make_capacity(ray_session):
     """Creates named detached CapacityActors (unique names) and kills them after the test."""
-    from actors.capacity import get_or_create_capacity
+    from rlgate.actors.capacity import get_or_create_capacity
 
     made = []
 
@@ -390,7 +390,7 @@ async def test_a_killed_capacity_actor_comes_back_with_its_state_and_holders_rec
     import os
     import signal
 
-    from actors.capacity import CapacityClient, HolderUnknown, get_or_create_capacity
+    from rlgate.actors.capacity import CapacityClient, HolderUnknown, get_or_create_capacity
 
     actor = get_or_create_capacity(f"capacity-{uuid.uuid4().hex}", NAMESPACE, 3, str(tmp_path / "capacity.jsonl"))
     sessions: list[int] = []  # the open sessions of holder "store"
@@ -423,7 +423,7 @@ async def test_a_restarted_capacity_actor_keeps_the_trainers_rule_and_its_group_
     import os
     import signal
 
-    from actors.capacity import CapacityClient, get_or_create_capacity
+    from rlgate.actors.capacity import CapacityClient, get_or_create_capacity
 
     actor = get_or_create_capacity(f"capacity-{uuid.uuid4().hex}", NAMESPACE, 8, str(tmp_path / "capacity.jsonl"))
     held: list[str] = []
@@ -459,7 +459,7 @@ async def test_a_release_whose_answer_was_lost_counts_its_session_accepted_at_mo
     free exactly once, and the accepted count errs high (admitting fewer)."""
     from ray.exceptions import RayActorError
 
-    from actors.capacity import CapacityClient
+    from rlgate.actors.capacity import CapacityClient
 
     capacity = make_capacity(2)
 
@@ -498,7 +498,7 @@ async def test_a_holder_waits_for_a_restarting_actor_before_it_reconciles(make_c
     start with a 500 before)."""
     from ray.exceptions import ActorUnavailableError, RayActorError
 
-    from actors.capacity import CapacityClient
+    from rlgate.actors.capacity import CapacityClient
 
     capacity = make_capacity(2)
     refusals = {"acquire": 1, "reconcile": 2}  # the acquire meets the death; two reconciles meet the restart
@@ -534,7 +534,7 @@ async def test_the_state_written_on_every_change_does_not_grow_with_the_sessions
     import os
     import signal
 
-    from actors.capacity import get_or_create_capacity
+    from rlgate.actors.capacity import get_or_create_capacity
 
     path = tmp_path / "capacity.jsonl"
     actor = get_or_create_capacity(f"capacity-{uuid.uuid4().hex}", NAMESPACE, 4, str(path))
@@ -562,7 +562,7 @@ async def test_a_holders_calls_wait_until_its_start_count_is_applied():
     """A holder sends its count when it (re)starts, from its constructor; an acquire
     made next (from the event loop, another thread) must not reach the actor first,
     or the count would wipe the slot it took (seen once in a full test run)."""
-    from actors.capacity import CapacityClient
+    from rlgate.actors.capacity import CapacityClient
 
     order = []
 

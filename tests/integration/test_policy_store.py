@@ -21,7 +21,7 @@ RUN = "policy-test"
 def replicas(ray_session):
     from ray import serve
 
-    from serve_app import build_rollout_app
+    from rlgate.serving.app import build_rollout_app
 
     config = parse_config(
         {
@@ -112,7 +112,7 @@ async def test_a_killed_policy_store_comes_back_and_gets_its_weights_again(ray_s
 
     import ray
 
-    from actors.policy_store import Republisher, get_or_create_policy_store
+    from rlgate.actors.policy_store import Republisher, get_or_create_policy_store
 
     store = get_or_create_policy_store(f"policy-{uuid.uuid4().hex}", "rlgate", 0, str(tmp_path / "policy.json"))
     republisher = Republisher(store, every_s=0.2)

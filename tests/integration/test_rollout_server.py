@@ -17,7 +17,7 @@ from tests.support import ROOT
 def rollout(ray_session):
     from ray import serve
 
-    from serve_app import build_rollout_app
+    from rlgate.serving.app import build_rollout_app
 
     config = load_config(ROOT / "configs" / "tiny.toml")
     handle = serve.run(build_rollout_app(config), name="rollout-test", route_prefix=None)

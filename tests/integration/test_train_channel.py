@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from actors.train_channel import TrainChannel
+from rlgate.actors.train_channel import TrainChannel
 
 
 async def test_commands_results_and_trimming(ray_session):

@@ -341,7 +341,7 @@ import ray
 from ray import serve
 from rlgate.config import load_config
 from rlgate.sessions.manager import hash_key
-from serve_app import build_app
+from rlgate.serving.app import build_app
 ray.init(address="{cluster.gcs}", runtime_env={{"working_dir": "{ROOT}"}})
 try:
     serve.run(build_app(load_config("{tmp_path / "serve.toml"}"), hash_key("{ADMIN_KEY}")), name="direct")

@@ -395,8 +395,8 @@ def test_a_restarted_application_ends_and_exports_the_sessions_it_had_open(fault
     exported ("restart"), and their keys answer 410."""
     from ray import serve
 
+    from rlgate.serving.app import build_app
     from rlgate.sessions.manager import hash_key
-    from serve_app import build_app
 
     app = faults
     key = app.start_session("orphan")["api_key"]
@@ -423,10 +423,10 @@ def test_a_fresh_run_takes_over_nothing_an_earlier_run_of_its_name_left(ray_sess
     """A run started without --resume under an earlier run's name: the earlier
     run's PolicyStore, CapacityActor and SessionStore are gone (no weights, counts
     or sessions inherited) and its session journal is set aside, not replayed."""
-    from actors.capacity import get_or_create_capacity
-    from actors.policy_store import get_or_create_policy_store
+    from rlgate.actors.capacity import get_or_create_capacity
+    from rlgate.actors.policy_store import get_or_create_policy_store
     from rlgate.run import actor_name
-    from train_driver import forget_earlier_run
+    from rlgate.training.driver import forget_earlier_run
 
     run, run_dir = "fresh-run", tmp_path / "fresh-run"
     journal = run_dir / "sessions" / "journal.jsonl"

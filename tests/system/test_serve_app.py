@@ -102,7 +102,7 @@ def test_no_admin_key_is_made_where_its_print_would_land_in_rays_logs(ray_sessio
     (its print goes to Ray's log files), on loopback either; a given key is taken."""
     import ray
 
-    import serve_app
+    from rlgate.serving import app as serve_app
 
     monkeypatch.delenv("RLGATE_ADMIN_KEY", raising=False)
     monkeypatch.delenv("RLGATE_ADMIN_KEY_FILE", raising=False)

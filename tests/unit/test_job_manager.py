@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import actors.job_manager
-from actors.job_manager import JobManager
+import rlgate.actors.job_manager
+from rlgate.actors.job_manager import JobManager
 from rlgate.config import load_config
 from rlgate.jobs import schema as jobs
 from rlgate.sessions.manager import SessionError
@@ -51,7 +51,7 @@ class FakeRayJobs:
 
 @pytest.fixture
 def ray_jobs(monkeypatch) -> FakeRayJobs:
-    monkeypatch.setattr(actors.job_manager, "cluster_nodes", lambda bundles: [{"CPU": 64.0, "GPU": 0.0}])
+    monkeypatch.setattr(rlgate.actors.job_manager, "cluster_nodes", lambda bundles: [{"CPU": 64.0, "GPU": 0.0}])
     monkeypatch.setattr(JobManager, "_ensure_watcher", lambda self: None)  # the tests poll by hand
 
     async def no_leftovers(self, job_id: str) -> None:  # a finished job's Serve app and actors: Ray's business
@@ -153,7 +153,10 @@ async def test_no_secret_is_written_to_the_job_folder_nor_handed_to_ray(tmp_path
     assert files_holding_secrets(tmp_path / "jobs", [TASK_APP_KEY, created["api_key"]]) == []
     given = json.dumps(ray_jobs.submitted[job_id])  # entrypoint, env vars, metadata: all on Ray's dashboard
     assert TASK_APP_KEY not in given and generated_keys(given) == [] and "_FILE" not in given
-    assert "--job-manager rlgate-t-jobs" in ray_jobs.submitted[job_id]["entrypoint"]
+    entrypoint = ray_jobs.submitted[job_id]["entrypoint"]
+    assert (
+        " -m rlgate.training.driver " in entrypoint and "--job-manager rlgate-t-jobs" in entrypoint
+    )  # no checkout path
     # the job's driver takes the key once; after that the JobManager holds it no more
     assert await jobs_manager.take_task_app_key(job_id) == TASK_APP_KEY
     with pytest.raises(LookupError, match="submit the job again"):
@@ -171,11 +174,11 @@ async def test_a_key_its_driver_never_took_is_dropped_however_the_job_ends(tmp_p
     elif ending == "lost":  # Ray forgot the job (a cluster restart): half a minute of polls
         del ray_jobs.status[job_id]
         for _ in range(30):
-            await jobs_manager._poll(jobs_manager.jobs[job_id])
+            await jobs_manager._poll(jobs_manager.book.jobs[job_id])
     else:
         ray_jobs.status[job_id] = ending
-        await jobs_manager._poll(jobs_manager.jobs[job_id])
-    assert jobs_manager.jobs[job_id].status in jobs.FINISHED
+        await jobs_manager._poll(jobs_manager.book.jobs[job_id])
+    assert jobs_manager.book.jobs[job_id].status in jobs.FINISHED
     with pytest.raises(LookupError):
         await jobs_manager.take_task_app_key(job_id)
 
@@ -186,8 +189,8 @@ async def test_a_restarted_job_manager_fails_the_jobs_whose_key_it_lost(tmp_path
     queued = (await before.submit(body(), None))["job_id"]  # max_running 1: waits
     keyless = (await before.submit(body(key=None), None))["job_id"]
     after = manager(tmp_path, ray_jobs)  # a restart: the same folder, an empty memory
-    assert after.jobs[queued].status == "failed" and "submit the job again" in after.jobs[queued].error
-    assert after.jobs[keyless].status == "queued"
+    assert after.book.jobs[queued].status == "failed" and "submit the job again" in after.book.jobs[queued].error
+    assert after.book.jobs[keyless].status == "queued"
     with pytest.raises(LookupError, match="submit the job again"):  # its driver, starting now, is told why
         await after.take_task_app_key(running)
     assert await after.take_task_app_key(keyless) is None
@@ -197,7 +200,7 @@ async def test_secret_files_an_earlier_version_left_are_removed(tmp_path, ray_jo
     before = manager(tmp_path, ray_jobs)
     done = (await before.submit(body(key=None), None))["job_id"]
     ray_jobs.status[done] = "SUCCEEDED"
-    await before._poll(before.jobs[done])
+    await before._poll(before.book.jobs[done])
     waiting = (await before.submit(body(key=None), None))["job_id"]
     for job_id in (done, waiting):  # what versions up to this one wrote beside each job's records
         (tmp_path / "jobs" / job_id / "admin_key").write_text("rlg-admin-" + "a" * 43)
@@ -211,16 +214,16 @@ async def test_a_job_waiting_for_resources_says_why_in_its_status_and_events(tmp
     jobs_manager = manager(tmp_path, ray_jobs)
     job_id = (await jobs_manager.submit(body(), None))["job_id"]
     ray_jobs.status[job_id] = "RUNNING"
-    run = jobs_manager._run_dir(job_id)
+    run = jobs_manager.book.run_dir(job_id)
     run.mkdir(parents=True, exist_ok=True)
     reason = "waiting for resources: needs 0.5 CPU for a trainer worker; held by: rlgate-serve (1 CPU)"
     (run / "waiting.json").write_text(json.dumps({"reason": reason, "at": 0.0}))  # what its driver writes
     for _ in range(2):
-        await jobs_manager._poll(jobs_manager.jobs[job_id])
+        await jobs_manager._poll(jobs_manager.book.jobs[job_id])
     status = await jobs_manager.get(job_id, None)
     assert (status["status"], status["waiting"]) == ("running", reason)
     (run / "waiting.json").unlink()  # the resources came free
-    await jobs_manager._poll(jobs_manager.jobs[job_id])
+    await jobs_manager._poll(jobs_manager.book.jobs[job_id])
     assert (await jobs_manager.get(job_id, None))["waiting"] is None
     events = [(e["type"], e["message"]) for e in await jobs_manager.get_events(job_id, None, 0, 100)]
     assert [e for e in events if e[0] == "rl.waiting"] == [("rl.waiting", reason)]  # said once
@@ -234,7 +237,7 @@ async def test_a_jobs_unsaid_cpus_are_the_gateways_default_for_jobs(tmp_path, ra
     unsaid = (await jobs_manager.submit(body(), None))["job_id"]
     said = (await jobs_manager.submit(body(rollout={"num_cpus": 2}, compute={"cpus_per_worker": 3}), None))["job_id"]
     for job_id, cpus in ((unsaid, (0.5, 0.5)), (said, (2, 3))):
-        config = tomllib.loads((jobs_manager._folder(job_id) / "config.toml").read_text())
+        config = tomllib.loads((jobs_manager.book.folder(job_id) / "config.toml").read_text())
         assert (config["rollout"]["num_cpus"], config["compute"]["cpus_per_worker"]) == cpus
 
 

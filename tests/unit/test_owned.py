@@ -172,8 +172,8 @@ async def test_beyond_its_in_flight_limit_the_listener_answers_503_at_once():
 
 def test_the_training_driver_plays_on_the_direct_port_only_where_it_answers():
     from rlgate.config import parse_config
+    from rlgate.training.driver import direct_url
     from tests.support import serve_asgi
-    from train_driver import direct_url
 
     health = FastAPI()
 

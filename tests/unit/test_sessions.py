@@ -429,7 +429,7 @@ async def test_a_session_group_size_is_carried_into_its_records():
 def test_every_generated_key_is_256_random_bits(monkeypatch):
     import base64
 
-    from serve_app import admin_key
+    from rlgate.serving.app import admin_key
 
     monkeypatch.delenv("RLGATE_ADMIN_KEY", raising=False)
     monkeypatch.delenv("RLGATE_ADMIN_KEY_FILE", raising=False)

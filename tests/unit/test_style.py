@@ -39,8 +39,8 @@ def test_the_declared_dependencies_are_what_the_code_imports():
                 imported |= {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 imported.add(node.module.split(".")[0])
-    third_party = {m for m in imported if m not in sys.stdlib_module_names and m not in ("rlgate", "actors")}
-    third_party -= {"serve_app", "train_driver", "starlette"}  # ours; FastAPI's own foundation
+    third_party = {m for m in imported if m not in sys.stdlib_module_names and m != "rlgate"}
+    third_party -= {"starlette"}  # FastAPI's own foundation
     declared = {module_of.get(n, n) for n in runtime | extras}
     assert not third_party - declared, f"imported but not declared: {sorted(third_party - declared)}"
     unused = {n for n in runtime if module_of.get(n, n) not in imported}

@@ -1,0 +1,196 @@
+"""Builds rlgate's Ray Serve application: the Gateway in front of the RolloutServer.
+
+    python serve_app.py --config configs/serve.toml [--host 127.0.0.1] [--port 8000]
+    serve run serve_app:app                  # config from $RLGATE_CONFIG or configs/serve.toml
+    rlgate serve / serve run rlgate.serving.app:app    # the same, from an installed rlgate
+
+A composition module: it puts the deployments of :mod:`rlgate.actors` together;
+``serve_app.py`` at the top of a checkout is its thin entry point.
+
+The admin key comes from ``RLGATE_ADMIN_KEY`` (or the file ``RLGATE_ADMIN_KEY_FILE``
+names); without it a random key is generated and printed once, on loopback and
+outside Ray's workers only (a config deploy builds the app in a Ray task, whose
+output goes to Ray's log files). Beyond loopback a weak or generated key is
+refused: here against the host asked for, and again in each Gateway replica
+against the address Serve's proxies really listen on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+from ray.serve import Application
+
+from rlgate.actors.gateway import Gateway
+from rlgate.actors.rollout_server import RolloutServer
+from rlgate.config import RLGateConfig, load_config
+from rlgate.models import BUILTIN_DTYPES, prepare_model
+from rlgate.serving.auth import AdminKeyRefused, is_weak, refuse_public_bind
+from rlgate.serving.routing import router_config, serve_start_options
+from rlgate.sessions.manager import hash_key, new_key
+from rlgate.training.placement import replica_bundle
+
+DEFAULT_CONFIG = Path("configs") / "serve.toml"  # from the working directory: a checkout, or Ray's working_dir
+
+
+def resolve_model(config: RLGateConfig) -> str:
+    """Prepare the model on the driver so a bad name fails here, before any replica starts."""
+    storage = config.model.dtype if config.model.dtype in BUILTIN_DTYPES else "float32"
+    return str(prepare_model(config.model.name, storage))
+
+
+class AdminKey(NamedTuple):
+    value: str
+    generated: bool
+
+    @property
+    def fit_for_public(self) -> bool:
+        """May guard a port beyond loopback: chosen by the operator and strong."""
+        return not self.generated and not is_weak(self.value)
+
+
+def in_ray_worker() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+
+
+def admin_key(host: str) -> AdminKey:
+    """The admin key and whether it was generated. Beyond loopback, refuses a
+    weak key and refuses to make one; in a Ray worker (a config deploy's build
+    task) it never makes one, since its print would land in Ray's logs."""
+    key = os.environ.get("RLGATE_ADMIN_KEY")
+    if not key and os.environ.get("RLGATE_ADMIN_KEY_FILE"):  # for `ray job submit`: Ray shows a job's env vars
+        key = Path(os.environ["RLGATE_ADMIN_KEY_FILE"]).read_text().strip()
+    if key:
+        refuse_public_bind(host, not is_weak(key))
+        return AdminKey(key, False)
+    refuse_public_bind(host, False)
+    if in_ray_worker():
+        raise AdminKeyRefused(
+            "rlgate: no admin key: set RLGATE_ADMIN_KEY or RLGATE_ADMIN_KEY_FILE in the environment Ray builds "
+            "the application in (a config file's runtime_env, or `serve run --runtime-env-json`); a generated "
+            "key would be printed into Ray's log files"
+        )
+    return AdminKey(new_key("rlg-admin-"), True)
+
+
+def serve_http_host() -> str:
+    """Where Serve's proxies listen: a running Serve controller's ``http_options``
+    (a config deploy starts it before building the app), else Serve's default."""
+    import ray
+    from ray.serve._private.constants import DEFAULT_HTTP_HOST
+
+    if ray.is_initialized():  # never start Ray here: `serve run` inits it after building, with its runtime env
+        from ray.serve.context import _get_global_client
+
+        client = _get_global_client(raise_if_no_controller_running=False)
+        if client is not None:
+            return client.http_config.host
+    return DEFAULT_HTTP_HOST or "127.0.0.1"
+
+
+def _settings(config: RLGateConfig) -> dict:
+    settings = config.model_dump()
+    # Actors run with another working directory: give them an absolute run folder.
+    settings["gateway"]["run_dir"] = str(Path(config.gateway.run_dir, config.gateway.run_name).resolve())
+    return settings
+
+
+def build_rollout_app(config: RLGateConfig, initial_version: int = 0) -> Application:
+    """The RolloutServer deployment alone (no HTTP): engines behind a Serve handle."""
+    bundle = replica_bundle(config)  # [compute] placement = "split" adds the rlgate_rollout resource
+    return RolloutServer.options(
+        num_replicas=config.rollout.replicas,
+        max_ongoing_requests=config.rollout.max_ongoing_requests,  # per replica, then
+        max_queued_requests=config.rollout.max_queued_requests,  # per caller, then BackPressureError (503)
+        ray_actor_options={"num_cpus": bundle.cpus, "num_gpus": bundle.gpus, "resources": bundle.custom()},
+    ).bind(_settings(config), resolve_model(config), initial_version)
+
+
+def build_app(
+    config: RLGateConfig, admin_key_hash: str, initial_version: int = 0, key_fit_for_public: bool = False
+) -> Application:
+    """The Gateway (HTTP ingress): in front of the RolloutServer deployment, or
+    with ``[gateway] colocate`` each replica running its own engine.
+    ``key_fit_for_public``: the admin key may guard a port beyond loopback (each
+    replica refuses to start on such a port otherwise)."""
+    # Serve's access log shows raw paths, and a scoped URL's path is a session key: the Gateway logs its own.
+    no_access_log = {"enable_access_log": False}
+    deployment = secrets.token_hex(8)  # a replica replacing a crashed one of this deployment resumes its sessions
+    if config.gateway.colocate:
+        bundle = replica_bundle(config)
+        gateway = Gateway.options(
+            num_replicas=config.rollout.replicas,
+            max_ongoing_requests=config.rollout.max_ongoing_requests,  # the engine's, as a RolloutServer's
+            max_queued_requests=config.rollout.max_queued_requests,
+            ray_actor_options={"num_cpus": bundle.cpus, "num_gpus": bundle.gpus, "resources": bundle.custom()},
+            logging_config=no_access_log,
+            request_router_config=router_config(config.rollout.replicas),  # a session's requests go to its owner
+        )
+        args = (_settings(config), resolve_model(config), admin_key_hash, initial_version, deployment)
+        return gateway.bind(None, *args, key_fit_for_public)
+    engines = build_rollout_app(config, initial_version)
+    gateway = Gateway.options(
+        num_replicas=config.gateway.replicas, ray_actor_options={"num_cpus": 0}, logging_config=no_access_log
+    )
+    args = (_settings(config), resolve_model(config), admin_key_hash, initial_version, deployment)
+    return gateway.bind(engines, *args, key_fit_for_public)
+
+
+def app_builder(args: dict) -> Application:
+    """Entry point for ``serve run serve_app:app`` (or ``rlgate.serving.app:app``) and Serve YAML ``import_path``."""
+    config = load_config(args.get("config") or os.environ.get("RLGATE_CONFIG") or DEFAULT_CONFIG)
+    key = admin_key(serve_http_host())  # the proxies' real address, not the TOML's [gateway] host
+    if key.generated:
+        print(f"rlgate: admin key (shown once): {key.value}", file=sys.stderr, flush=True)
+    return build_app(config, hash_key(key.value), key_fit_for_public=key.fit_for_public)
+
+
+app = app_builder
+
+
+def main() -> None:
+    import signal
+    import threading
+
+    import ray
+    from ray import serve
+
+    parser = argparse.ArgumentParser(description="Run rlgate's gateway and rollout engines until interrupted.")
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG))
+    parser.add_argument("--host", help="bind address (default: [gateway] host)")
+    parser.add_argument("--port", type=int, help="port (default: [gateway] port)")
+    args = parser.parse_args()
+    config = load_config(args.config)
+    host = args.host or config.gateway.host
+    port = args.port or config.gateway.port
+    config.gateway.host, config.gateway.port = host, port
+    try:
+        key = admin_key(host)
+    except AdminKeyRefused as refused:
+        raise SystemExit(str(refused)) from None
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+    ray.init(address=os.environ.get("RAY_ADDRESS"))
+    # agents use the head; its proxy routes each session's requests to the replica that owns it
+    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port}, **serve_start_options())
+    app = build_app(config, hash_key(key.value), key_fit_for_public=key.fit_for_public)
+    serve.run(app, name="rlgate", route_prefix="/")
+    url = f"http://{host}:{port}"
+    print(f"rlgate: serving {config.served_model_name} at {url} (OpenAI base URL {url}/v1)", flush=True)
+    if key.generated:
+        print(f"rlgate: admin key (shown once; set RLGATE_ADMIN_KEY to choose it): {key.value}", flush=True)
+    stop.wait()
+    serve.shutdown()
+
+
+if __name__ == "__main__":
+    main()

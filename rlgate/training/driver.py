@@ -1,0 +1,477 @@
+"""rlgate's RL loop as a Ray job: GRPO on Ray Train, fed by live sessions.
+
+    python train_driver.py --config configs/demo.toml [--resume] [--run-name NAME] [--run-dir DIR]
+    ray job submit --working-dir . -- python train_driver.py --config configs/demo.toml --run-dir /shared/runs
+    python -m rlgate.training.driver ... / rlgate train ...   # the same, from an installed rlgate
+
+Starts (or joins) Ray, serves the gateway and rollout engines throughout, and
+trains: collect whole groups of finished episodes → group-relative advantages
+→ optimizer step on the Ray Train workers → every engine serves the new
+version → the capacity actor admits the next sessions → log. Episodes come
+from a task app (``[services] task_url``), a built-in task (``[task] builtin``)
+or any external agent using the gateway (online mode: with no sessions, it waits).
+
+A composition module over :mod:`rlgate.actors` and the library; ``train_driver.py``
+at the top of a checkout is its thin entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import httpx
+import ray
+from pydantic import ValidationError
+from ray import serve
+
+from rlgate.actors.trainer import TrainerWorkers
+from rlgate.config import ConfigError, RLGateConfig, dump_config, load_config
+from rlgate.run import (
+    INHERITED_STATE,
+    NAMESPACE,
+    actor_name,
+    app_name,
+    checkpoint_states,
+    checkpoints_dir,
+    end_actors,
+    get_actor,
+)
+from rlgate.sdk.taskapp import TaskAppClient, TaskAppError, environment_key
+from rlgate.serving.app import AdminKey, AdminKeyRefused, admin_key, build_app, resolve_model
+from rlgate.serving.routing import serve_start_options
+from rlgate.sessions.manager import hash_key, new_key
+from rlgate.sessions.trajectory_files import last_seq
+from rlgate.training.batching import GroupBuffer
+from rlgate.training.loop import collect, normaliser, score, surviving
+from rlgate.training.placement import cluster_nodes, plan, unplaceable, wait_for_room, worker_bundle
+from rlgate.training.runlog import RunLog
+from rlgate.training.tasks import Episodes, builtin_episodes, evaluate, get_task, task_app_episodes
+
+
+def main() -> int:
+    args = parse_args()
+    config = configured(args)
+    key = gateway_key(config, private=args.job_manager is not None)  # a refused key fails the run before it starts
+    run_dir = Path(config.gateway.run_dir, config.gateway.run_name).resolve()
+    start = resume_point(run_dir, args.resume)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(config, run_dir / "config.toml")  # the settings this run (or resumption) used
+    if start.weights is not None:  # engines start on the checkpoint's weights
+        config.model.name = str(start.weights)
+    if start.buffer is None:  # a fresh run trains on episodes that finish from now on, the first included
+        start.buffer = {"watermark": last_seq(run_dir / "trajectories"), "done_above": []}
+    ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE)
+    # before anything starts: a bad task app fails the run at once
+    task_app = check_task_app(config, task_app_key(args.job_manager, config.gateway.run_name))
+    signal.signal(signal.SIGTERM, interrupted)  # after ray.init, which sets its own: `ray job stop` acts as Ctrl-C
+    gpus = trainer_gpus(config)
+    wait_until_placeable(config, gpus, run_dir)
+    if not args.resume:
+        forget_earlier_run(config.gateway.run_name, run_dir)
+    url, started_serve = serve_gateway(config, start.version, key)
+    trainer = start_trainer(config, gpus, run_dir, start.first_command)
+    admit_under_the_rule(config, start.version)  # before any episode starts
+    stopping = threading.Event()
+    episodes = start_episodes(config, url, key.value, stopping, task_app)
+    log = RunLog(run_dir, config.training.total_steps, start.step)
+    progress = Progress(start.step, start.version)
+    try:
+        train(
+            config,
+            start.buffer,
+            progress,
+            trainer,
+            stopping,
+            log,
+            partial(evaluation, config, url=url, key=key.value, task_app=task_app),
+        )
+    except KeyboardInterrupt:
+        print("rlgate: interrupted; writing the reward curve", file=sys.stderr)
+    finally:
+        stopping.set()
+        if episodes is not None:
+            episodes.stop()
+        trainer.stop()
+        finish(config, log, progress, started_serve)
+    if episodes is not None and episodes.stats.fatal is not None:
+        print(f"rlgate: stopped: the environment is down: {episodes.stats.fatal}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Train a policy with GRPO from live sessions.")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
+    parser.add_argument("--run-name", help="overrides [gateway] run_name (the run folder and actor names)")
+    parser.add_argument("--run-dir", help="overrides [gateway] run_dir; give an absolute path under `ray job submit`")
+    parser.add_argument("--task-app", help="overrides [services] task_url")
+    parser.add_argument("--model", help="overrides [model] name")
+    parser.add_argument(
+        "--job-manager",
+        help="run as an RL job of this JobManager actor (it sets this): take the task app's key from it, "
+        "and keep the gateway's admin key to this process",
+    )
+    return parser.parse_args()
+
+
+def configured(args: argparse.Namespace) -> RLGateConfig:
+    """The run's config: the file, then the command line's overrides."""
+    try:
+        config = load_config(args.config)
+        if args.run_name is not None:
+            config.gateway.run_name = args.run_name  # validated like the TOML key
+        if args.run_dir is not None:
+            config.gateway.run_dir = args.run_dir
+        if args.task_app is not None:
+            config.services.task_url = args.task_app
+        if args.model is not None:
+            config.model.name = args.model
+    except (ConfigError, ValidationError) as err:
+        raise SystemExit(f"rlgate: {err}") from None
+    return config
+
+
+def wait_until_placeable(config: RLGateConfig, gpus: float, run_dir: Path) -> None:
+    """Fail now if the cluster can never hold the run; while it is busy, wait,
+    saying why (a job's status shows waiting.json)."""
+    bundles = plan(config, gpus)
+    problem = unplaceable(bundles, cluster_nodes(len(bundles)))
+    if problem:
+        raise SystemExit(f"rlgate: {problem}")
+    try:
+        wait_for_room(bundles, config.jobs.start_timeout_s, lambda reason: note_waiting(run_dir, reason))
+    except RuntimeError as err:
+        raise SystemExit(f"rlgate: {err}") from None
+
+
+def start_trainer(config: RLGateConfig, gpus: float, run_dir: Path, first_command: int) -> TrainerWorkers:
+    run = config.gateway.run_name
+    setup = {
+        "settings": config.model_dump(),
+        "model_path": resolve_model(config),
+        "channel": actor_name(run, "train"),
+        "policy": actor_name(run, "policy"),
+    }
+    return TrainerWorkers(
+        setup,
+        config.compute.trainer_workers,
+        worker_bundle(config, gpus).as_ray(),  # [compute] placement = "split" adds rlgate_trainer
+        storage=run_dir,
+        first_command=first_command,
+        max_failures=config.training.max_failures,
+    )
+
+
+@dataclass
+class Progress:
+    step: int  # the last step trained
+    version: int  # the policy version the engines serve
+
+
+def train(config: RLGateConfig, buffer_state: dict, progress: Progress, trainer, stopping, log: RunLog, evaluate_at):
+    """The loop: whole groups of finished episodes → advantages → an optimizer
+    step → every engine serves the new version → the CapacityActor admits the
+    next sessions → a line in the log (and ``evaluate_at(step)``'s figures)."""
+    training, algorithm = config.training, config.algorithm.resolved(config.training.max_staleness)
+    run = config.gateway.run_name
+    trajectories, capacity, policy = (get_actor(run, role) for role in ("trajectories", "capacity", "policy"))
+    buffer = GroupBuffer.restore(
+        buffer_state,
+        batch_size=training.batch_size,
+        group_size=training.group_size,
+        group_timeout_s=training.group_timeout_s,
+        partial_groups=training.partial_groups,
+        drop_equal_reward_groups=algorithm.drop_equal_reward_groups,
+    )
+    step, version = progress.step, progress.version
+    while step < training.total_steps:
+        waited = time.monotonic()
+        # whole groups of finished episodes that the current policy may train on
+        batch = collect(buffer, trajectories, capacity, stopping, version, training.max_staleness)
+        if batch is None:  # the environment stayed down
+            return
+        records, advantages = score(batch, algorithm.advantage)  # group-relative advantages
+        started = time.monotonic()
+        step += 1
+        metrics = trainer.step(  # optimizer step(s) on the Ray Train workers
+            records,
+            advantages,
+            version,
+            normaliser(records, version, training.max_staleness, algorithm.aggregation),
+            save=save_due(step, training),
+            driver_state={"step": step, "buffer": buffer.state()},
+        )
+        version += 1
+        progress.step, progress.version = step, version  # trained (and perhaps saved), whatever comes next
+        synced = time.monotonic()
+        served(policy, version, config.rollout.replicas)  # every engine serves v + 1
+        surviving(lambda v=version: capacity.on_new_version.remote(v), "the new version")  # admit the next sessions
+        summary = summarise(records, metrics, version, buffer, started, synced) | {"collect_s": started - waited}
+        log.log(step, summary | evaluate_at(step))  # held-out seeds, every [evaluation] every_n_iters
+        log.batch(step, [r["seq"] for r in records])
+
+
+def admit_under_the_rule(config: RLGateConfig, version: int) -> None:
+    """Tell the CapacityActor the policy version (a resumed run's own) and the
+    trainer's rule (batch, staleness, groups), before any episode starts: a
+    session admitted before would escape the staleness budget."""
+    training = config.training
+    capacity = get_actor(config.gateway.run_name, "capacity")
+    surviving(lambda: capacity.on_new_version.remote(version), "the policy version")
+    rule = (training.batch_size, training.max_staleness, training.group_size, training.group_timeout_s)
+    surviving(lambda: capacity.grant.remote(*rule), "the staleness rule")
+
+
+def finish(config: RLGateConfig, log: RunLog, progress: Progress, started_serve: bool) -> None:
+    """The log closed, the curve drawn, the run's application deleted (and Serve,
+    when this run started it and nothing else is served)."""
+    log.close()
+    plot = log.plot()
+    print(
+        f"rlgate: {progress.step} steps, policy version {progress.version}; metrics in {log.path}"
+        + (f", reward curve {plot}" if plot else "")
+    )
+    serve.delete(app_name(config.gateway.run_name, config.gateway.route_prefix))
+    if started_serve and not serve.status().applications:
+        serve.shutdown()
+
+
+def interrupted(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def served(policy, version: int, replicas: int) -> None:
+    """Wait until ``replicas`` engines serve ``version``, across a restart of the
+    PolicyStore (a call in flight then fails; the replicas report again)."""
+    while True:
+        try:
+            ray.get(policy.wait_served.remote(version, replicas))  # False after its timeout: go on regardless
+            return
+        except ray.exceptions.RayActorError:
+            print("rlgate: the policy store restarted; waiting for the engines to report again", file=sys.stderr)
+            time.sleep(1.0)
+
+
+def gateway_key(config: RLGateConfig, private: bool) -> AdminKey:
+    """The gateway's admin key: ``RLGATE_ADMIN_KEY`` (refused beyond loopback when
+    weak), or one made here. ``private``: an RL job's gateway, whose key this
+    process makes and shows to no one, so it may guard any port."""
+    if private:
+        return AdminKey(new_key("rlg-admin-"), False)
+    try:
+        return admin_key(config.gateway.host)
+    except AdminKeyRefused as refused:
+        raise SystemExit(str(refused)) from None
+
+
+def serve_gateway(config: RLGateConfig, version: int, key: AdminKey) -> tuple[str, bool]:
+    """The gateway and rollout engines on Serve's HTTP proxy (a Serve already
+    running keeps its own host and port, and each Gateway replica checks ``key``
+    against that host); returns the URL agents use, and whether this run started Serve."""
+    from ray.serve.context import _get_global_client
+
+    gateway = config.gateway
+    host, port, prefix = gateway.host, gateway.port, gateway.route_prefix
+    quiet = {"enable_access_log": False}  # a line per request would bury the progress bar
+    if "access_log" not in gateway.model_fields_set:
+        gateway.access_log = False
+    running = _get_global_client(raise_if_no_controller_running=False)
+    if running is None:
+        # One proxy, on the head: agents use one address (a proxy per node would also collide on a shared host).
+        http = {"host": host, "port": port}
+        serve.start(proxy_location="HeadOnly", http_options=http, logging_config=quiet, **serve_start_options())
+    else:
+        host, port = running.http_config.host, running.http_config.port
+    app = build_app(config, hash_key(key.value), initial_version=version, key_fit_for_public=key.fit_for_public)
+    serve.run(app, name=app_name(config.gateway.run_name, prefix), route_prefix=prefix, logging_config=quiet)
+    address = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    url = f"http://{address}:{port}{prefix.rstrip('/')}"
+    print(f"rlgate: gateway at {url} (OpenAI base URL {url}/v1)", flush=True)
+    if key.generated:
+        print(f"rlgate: admin key (shown once; set RLGATE_ADMIN_KEY to choose it): {key.value}", flush=True)
+    return direct_url(config, address) or url, running is None
+
+
+def direct_url(config: RLGateConfig, address: str) -> str | None:
+    """The gateway replica's own port ([gateway] direct_port) when it answers on
+    this host: the run's episodes then skip Serve's proxy hop. None with several
+    colocated replicas (each serves only its own sessions: the proxy routes them)."""
+    gateway = config.gateway
+    if gateway.direct_port is None or (gateway.colocate and gateway.replicas > 1):
+        return None
+    url = f"http://{address}:{gateway.direct_port}"
+    try:
+        answer = httpx.get(f"{url}/health", timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    if not isinstance(answer, dict) or "policy_version" not in answer:
+        return None
+    print(f"rlgate: episodes use the gateway replica's own port, {url}", flush=True)
+    return url
+
+
+def task_app_key(job_manager: str | None, job_id: str) -> str | None:
+    """The task app's key: an RL job's JobManager holds it in memory and hands it
+    over once (a file or an environment variable would show it); a run started
+    by hand reads ``$ENVIRONMENT_API_KEY`` or the file ``$ENVIRONMENT_API_KEY_FILE``."""
+    if job_manager is None:
+        return environment_key()
+    try:
+        return ray.get(ray.get_actor(job_manager, namespace=NAMESPACE).take_task_app_key.remote(job_id))
+    except ValueError:  # no such actor: it died, and the key with it
+        raise SystemExit(
+            f"rlgate: failed to start: the JobManager {job_manager} that started this job is gone, and with it "
+            "the task app's key (kept in its memory only); submit the job again"
+        ) from None
+    except ray.exceptions.RayTaskError as err:
+        raise SystemExit(f"rlgate: failed to start: {err.cause}") from None
+
+
+def check_task_app(config: RLGateConfig, key: str | None) -> TaskAppClient | None:
+    """The configured task app, once its /health and /task_info answer. Every call
+    to it is checked against ``[jobs] task_app_hosts`` as it connects."""
+    if config.services.task_url is None:
+        return None
+    app = TaskAppClient(config.services.task_url, key, config.task.rollout_timeout_s, config.jobs.allowlist())
+    try:
+        info = asyncio.run(app.check())
+    except TaskAppError as err:
+        raise SystemExit(f"rlgate: task app check failed: {err}") from None
+    print(f"rlgate: task app {app.base_url} ({info.task.get('name', 'unnamed')}) is healthy", flush=True)
+    return app
+
+
+def start_episodes(
+    config: RLGateConfig, url: str, key: str, stopping: threading.Event, task_app: TaskAppClient | None
+) -> Episodes | None:
+    """Play the task app or the built-in task, if one is configured; else wait for
+    external agents (online mode). Sets ``stopping`` if the environment stays down."""
+    task = config.task
+    if task_app is not None:
+        groups, run = task_app_episodes(task_app, config, config.served_model_name, config.gateway.run_name)
+    elif task.builtin is not None:
+        groups, run = builtin_episodes(
+            get_task(task.builtin), url, task.max_tokens, task.temperature, config.training.seed, task.env_delay_s
+        )
+    else:
+        print("rlgate: online mode: training on sessions that agents run through the gateway", flush=True)
+        return None
+    return Episodes.start(
+        url, key, groups, run, config.training.group_size, task.max_concurrent, task.down_after_s, stopping
+    )
+
+
+def evaluation(config: RLGateConfig, step: int, url: str, key: str, task_app: TaskAppClient | None) -> dict:
+    """Evaluate the current policy on the held-out seeds when due (task apps only)."""
+    every, seeds = config.evaluation.every_n_iters, config.evaluation.seeds
+    if task_app is None or not every or not seeds or step % every:
+        return {}
+    app = task_app.copy()  # its own connections, in this thread's event loop
+    _, run = task_app_episodes(app, config, config.served_model_name, f"{config.gateway.run_name}-eval", mode="eval")
+    try:
+        return asyncio.run(evaluate(url, key, run, seeds, config.task.max_concurrent))
+    except Exception as err:  # an evaluation costs its figures, never the run
+        print(f"rlgate: evaluation after step {step} failed: {err}", file=sys.stderr)
+        return {"eval_reward_mean": None, "eval_episodes": 0, "eval_failed": len(seeds)}
+
+
+@dataclass
+class ResumePoint:
+    """Where a run starts: the latest checkpoint's step, policy version, GroupBuffer
+    state, model folder and next trainer command, or a fresh start."""
+
+    step: int = 0
+    version: int = 0
+    buffer: dict | None = None
+    weights: Path | None = None
+    first_command: int = 0
+
+
+def resume_point(run_dir: Path, resume: bool) -> ResumePoint:
+    found = checkpoint_states(checkpoints_dir(run_dir))
+    if not resume:
+        if found:
+            raise SystemExit(
+                f"rlgate: {run_dir} already has checkpoints; pass --resume to continue it, "
+                "or set another [gateway] run_name"
+            )
+        return ResumePoint()
+    if not found:
+        raise SystemExit(f"rlgate: --resume, but {run_dir} has no checkpoint")
+    folder, state = max(found.items(), key=lambda item: item[1]["next_command"])
+    driver = state["driver"]
+    return ResumePoint(driver["step"], state["version"], driver["buffer"], folder / "model", state["next_command"])
+
+
+def forget_earlier_run(run: str, run_dir: Path) -> None:
+    """A fresh run must not inherit published weights, sessions or capacity
+    counts left in the cluster by an earlier run of the same name, nor take
+    over its open sessions from their journal (kept aside, not deleted)."""
+    end_actors(run, INHERITED_STATE)  # and waits until their names are free for this run's
+    journal = run_dir / "sessions" / "journal.jsonl"
+    if journal.exists() and journal.stat().st_size:
+        aside = journal.with_name(f"journal-{time.strftime('%Y%m%d-%H%M%S')}.set-aside.jsonl")
+        journal.rename(aside)
+        print(f"rlgate: an earlier run's open sessions are not taken over; their journal is at {aside}", flush=True)
+
+
+def note_waiting(run_dir: Path, reason: str | None) -> None:
+    """Why the run waits for resources (``<run>/waiting.json``, read by the JobManager), or no longer."""
+    path = run_dir / "waiting.json"
+    if reason is None:
+        path.unlink(missing_ok=True)
+        print("rlgate: the resources are free; starting", flush=True)
+        return
+    path.write_text(json.dumps({"reason": reason, "at": time.time()}))
+    print(f"rlgate: {reason}", flush=True)
+
+
+def trainer_gpus(config: RLGateConfig) -> float:
+    """GPUs per trainer worker: as configured, or 1 when the cluster has one for
+    every worker beyond what the rollout replicas take (else CPU bundles)."""
+    compute = config.compute
+    if compute.gpus_per_worker is not None:
+        return compute.gpus_per_worker
+    spare = ray.cluster_resources().get("GPU", 0) - config.rollout.replicas * config.rollout.num_gpus
+    gpus = 1.0 if spare >= compute.trainer_workers else 0.0
+    print(f"rlgate: trainer workers on {'GPU' if gpus else 'CPU'} bundles ({spare:g} GPUs spare)", flush=True)
+    return gpus
+
+
+def save_due(step: int, training) -> bool:
+    return step == training.total_steps or bool(training.save_every and step % training.save_every == 0)
+
+
+def summarise(records, metrics, version, buffer, started, synced) -> dict:
+    sampled = [(version - 1) - v for r in records for m, v in zip(r["loss_mask"], r["versions"]) if m]
+    elapsed = time.monotonic() - started
+    return {
+        "version": version,
+        "reward_mean": sum(r["reward"] for r in records) / len(records),
+        "samples": len({r["session_id"] for r in records}),  # episodes (sessions) trained on
+        "records": len(records),  # their training sequences (a turn each with "individual" export)
+        "dropped": buffer.counters.dropped,  # episodes dropped so far: equal rewards, partial, stale, failed groups
+        "failed": buffer.counters.failed,  # episodes whose environment errored, so far
+        "stale_tokens_dropped": metrics["stale_tokens_dropped"],
+        "staleness": sum(sampled) / max(1, len(sampled)),  # versions behind, mean and max over sampled tokens
+        "staleness_max": max(sampled, default=0),
+        "tokens_per_s": metrics["trained_tokens"] / max(elapsed, 1e-9),
+        "step_s": elapsed,
+        "sync_s": time.monotonic() - synced,
+        **{f"train_{k}": v for k, v in metrics.items()},
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
