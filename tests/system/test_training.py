@@ -341,11 +341,14 @@ def test_a_run_the_cluster_can_never_hold_stops_before_anything_is_deployed(tmp_
 def task_app_config(
     tmp_path, task_url: str, joined: Joined, total_steps: int = 2, down_after_s: float = 120, hosts='["127.0.0.1"]'
 ) -> Path:
+    """A run of a task app's episodes, served by the HF engine (one process to start:
+    these runs test the task app's path, not the engine's)."""
     path = tmp_path / "taskapp.toml"
     path.write_text(f"""
 [model]
 name = "tiny-random"
 [rollout]
+engine = "hf"
 max_model_len = 512
 kv_cache_gib = 0.5
 [gateway]
