@@ -49,7 +49,7 @@ def job_folder(sec, job_id: str) -> Path:
     import ray
 
     manager = ray.get_actor("rlgate-gw-sec-jobs", namespace="rlgate")
-    return Path(ray.get(manager.__ray_call__.remote(lambda self: str(self._folder(job_id)))))
+    return Path(ray.get(manager.__ray_call__.remote(lambda self: str(self.book.folder(job_id)))))
 
 
 # Expected status per credential; "*" for the rest. "own" is the session the
