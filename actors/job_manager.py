@@ -260,8 +260,8 @@ class JobManager:
 
     async def _watch(self) -> None:
         while True:
-            started = [j for j in self.book.jobs.values() if self.book.submitted(j.job_id)]
-            for job in [j for j in started if j.status not in jobs.FINISHED]:
+            unfinished = [j for j in self.book.jobs.values() if j.status not in jobs.FINISHED]
+            for job in [j for j in unfinished if self.book.submitted(j.job_id)]:  # no file look-up for old jobs
                 try:
                     await self._poll(job)
                 except Exception as err:  # the job API is briefly unavailable: try again next time
