@@ -248,6 +248,16 @@ def _train_here(args) -> int:
         print("rlgate: error: --idempotency-key and --poll are for jobs on a gateway", file=sys.stderr)
         print("rlgate: hint: give the gateway with --backend or RLGATE_URL", file=sys.stderr)
         return 2
+    from pydantic import ValidationError
+
+    from rlgate.config import ConfigError, load_config
+
+    try:  # a bad file is said in a second, before Ray and torch are imported
+        load_config(args.config)
+    except (ConfigError, ValidationError) as err:
+        print(f"rlgate: error: {err}", file=sys.stderr)
+        print("rlgate: hint: fix the config as the message says (docs/configuration.md lists every key)", file=sys.stderr)
+        return 2
     from rlgate.training import driver  # Ray, torch: only once it is sure to run
 
     if args.task_app_key:

@@ -182,23 +182,23 @@ def _max_diff(model, prompts, completions) -> float:
 
 def _greedy_agreement(model, prompts, completions) -> tuple[int, int]:
     """Prompts whose greedy continuation matches the reference's, and how many
-    mismatches fell on a near tie (top-2 logits within 1e-3)."""
+    mismatches fell on a near tie (top-2 logits within 1e-3). One forward pass
+    over prompt and completion gives the reference's choice at every position."""
     import torch
 
     agree = near_ties = 0
     for prompt, completion in zip(prompts, completions[: len(prompts)]):
-        ids = list(prompt)
-        matched = True
-        for token in completion.token_ids:
-            with torch.no_grad():
-                logits = model(torch.tensor([ids], device=model.device)).logits[0, -1].float()
-            top2 = torch.topk(logits, 2).values
-            if int(torch.argmax(logits)) != token:
-                matched = False
-                near_ties += float(top2[0] - top2[1]) < 1e-3
-                break
-            ids.append(token)
-        agree += matched
+        tokens = completion.token_ids
+        with torch.no_grad():
+            ids = torch.tensor([list(prompt) + tokens], device=model.device)
+            logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(tokens)].float()
+        chosen = logits.argmax(dim=-1).tolist()
+        miss = next((i for i, (mine, theirs) in enumerate(zip(chosen, tokens)) if mine != theirs), None)
+        if miss is None:
+            agree += 1
+        else:
+            top2 = torch.topk(logits[miss], 2).values
+            near_ties += float(top2[0] - top2[1]) < 1e-3
     return agree, near_ties
 
 

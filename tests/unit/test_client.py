@@ -192,8 +192,8 @@ def test_the_async_client_is_the_same_api_with_await(gateway, config):
 
 
 def test_rlgate_train_runs_here_without_a_gateway_and_submits_with_one(gateway, config, tmp_path):
-    """No --backend and no $RLGATE_URL: the run is trained here (train_driver.py's own
-    errors come back); with one, the job is submitted there. Options for the other
+    """No --backend and no $RLGATE_URL: the run is trained here (a bad config is
+    refused before the driver starts); with one, the job is submitted there. Options for the other
     mode are refused, not ignored."""
     import os
     import subprocess
@@ -208,8 +208,9 @@ def test_rlgate_train_runs_here_without_a_gateway_and_submits_with_one(gateway, 
 
     broken = tmp_path / "broken.toml"
     broken.write_text("[training]\nbatch_size = 0\n")
-    here = rlgate(str(broken))  # refused by the driver before Ray starts
-    assert here.returncode != 0 and "batch_size" in here.stderr and "Traceback" not in here.stderr
+    here = rlgate(str(broken))  # refused before Ray or the driver is imported
+    assert here.returncode == 2 and "Traceback" not in here.stderr
+    assert here.stderr.startswith("rlgate: error: ") and "training.batch_size" in here.stderr
     polled = rlgate(str(config), "--poll")
     assert polled.returncode == 2 and "--backend or RLGATE_URL" in polled.stderr
     submitted = rlgate(str(config), "--backend", url, "--api-key", ADMIN)
