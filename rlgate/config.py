@@ -362,10 +362,26 @@ class JobsConfig(_Section):
 
 
 class TaskConfig(_Section):
-    """Where episodes come from: a built-in task, or a task app ([services] task_url)."""
+    """Where episodes come from: a built-in task, a dataset with a reward function,
+    or a task app ([services] task_url)."""
 
     builtin: Literal["vowels", "arithmetic"] | None = Field(
         None, description="Play a built-in task through the gateway (train_driver's own agent loop)."
+    )
+    dataset: str | None = Field(
+        None,
+        description="Play the prompts of a dataset through the gateway (train_driver's own agent loop): "
+        "a .jsonl or .parquet file, or a dataset name in the local Hugging Face cache; needs [task] reward.",
+    )
+    dataset_split: str = Field("train", min_length=1, description="Dataset by name: the split to read.")
+    prompt_column: str = Field(
+        "prompt", min_length=1, description="Dataset: the column holding a prompt (text, or a list of chat messages)."
+    )
+    reward: str | None = Field(
+        None,
+        pattern=r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*$",
+        description="Dataset: the reward function, 'module:function' or 'file.py:function', "
+        "called as function(completion, row, messages) -> float.",
     )
     max_tokens: int = Field(32, ge=1, le=32_768, description="Built-in task: most tokens per reply.")
     temperature: float = Field(1.0, ge=0, le=2, description="Built-in task: sampling temperature.")
@@ -390,6 +406,14 @@ class TaskConfig(_Section):
     down_after_s: float = Field(
         120.0, gt=0, description="Stop the run when every episode for this long has failed (the environment is down)."
     )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TaskConfig:
+        if self.dataset is not None and self.builtin is not None:
+            raise ValueError("set one of [task] builtin and [task] dataset, not both")
+        if (self.dataset is None) != (self.reward is None):
+            raise ValueError("[task] dataset and [task] reward go together: the prompts and how to score a reply")
+        return self
 
 
 class EvaluationConfig(_Section):
@@ -438,6 +462,8 @@ class RLGateConfig(_Section):
                 f"gateway.direct_port {direct} + one port per colocated replica ({self.rollout.replicas}) "
                 "goes past 65535: choose a lower port"
             )
+        if self.task.dataset is not None and self.services.task_url is not None:
+            raise ValueError("set one of [task] dataset and [services] task_url (a task app), not both")
         return self
 
     @property

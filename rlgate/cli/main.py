@@ -256,7 +256,9 @@ def _train_here(args) -> int:
         load_config(args.config)
     except (ConfigError, ValidationError) as err:
         print(f"rlgate: error: {err}", file=sys.stderr)
-        print("rlgate: hint: fix the config as the message says (docs/configuration.md lists every key)", file=sys.stderr)
+        print(
+            "rlgate: hint: fix the config as the message says (docs/configuration.md lists every key)", file=sys.stderr
+        )
         return 2
     from rlgate.training import driver  # Ray, torch: only once it is sure to run
 

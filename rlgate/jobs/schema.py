@@ -156,6 +156,12 @@ def _job_config(request: JobRequest) -> tuple[RLGateConfig, list[str]]:
     model = data.model or data.base_model
     if model:
         config.model.name = model
+    if config.task.reward is not None:  # code named by whoever submits, run by the cluster
+        raise ConfigError(
+            f"{source}: task.reward: a job over HTTP cannot name code for the cluster to import; "
+            "serve the dataset and its reward from a task app (rlgate.sdk.taskapp), "
+            "or train it with `rlgate train` or `ray job submit`"
+        )
     if config.services.task_url is None and config.task.builtin is None:
         raise ConfigError(
             f"{source}: a job needs episodes: set [services] task_url (or data.endpoint_base_url) or [task] builtin"

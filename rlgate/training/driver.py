@@ -8,8 +8,9 @@ Starts (or joins) Ray, serves the gateway and rollout engines throughout, and
 trains: collect whole groups of finished episodes → group-relative advantages
 → optimizer step on the Ray Train workers → every engine serves the new
 version → the capacity actor admits the next sessions → log. Episodes come
-from a task app (``[services] task_url``), a built-in task (``[task] builtin``)
-or any external agent using the gateway (online mode: with no sessions, it waits).
+from a task app (``[services] task_url``), a built-in task (``[task] builtin``),
+a dataset with a reward function (``[task] dataset``) or any external agent
+using the gateway (online mode: with no sessions, it waits).
 
 A composition module over :mod:`rlgate.actors` and the library; ``train_driver.py``
 at the top of a checkout is its thin entry point.
@@ -52,6 +53,7 @@ from rlgate.serving.routing import serve_start_options
 from rlgate.sessions.manager import hash_key, new_key
 from rlgate.sessions.trajectory_files import last_seq
 from rlgate.training.batching import GroupBuffer
+from rlgate.training.dataset_task import DatasetError, DatasetTask, dataset_task
 from rlgate.training.loop import collect, normaliser, score, surviving
 from rlgate.training.placement import cluster_nodes, plan, unplaceable, wait_for_room, worker_bundle
 from rlgate.training.runlog import RunLog
@@ -61,6 +63,7 @@ from rlgate.training.tasks import Episodes, builtin_episodes, evaluate, get_task
 def main() -> int:
     args = parse_args()
     config = configured(args)
+    dataset = load_dataset_task(config)  # a bad dataset or reward function fails the run before anything starts
     key = gateway_key(config, private=args.job_manager is not None)  # a refused key fails the run before it starts
     run_dir = Path(config.gateway.run_dir, config.gateway.run_name).resolve()
     start = resume_point(run_dir, args.resume)
@@ -82,7 +85,7 @@ def main() -> int:
     trainer = start_trainer(config, gpus, run_dir, start.first_command)
     admit_under_the_rule(config, start.version)  # before any episode starts
     stopping = threading.Event()
-    episodes = start_episodes(config, url, key.value, stopping, task_app)
+    episodes = start_episodes(config, url, key.value, stopping, task_app, dataset)
     log = RunLog(run_dir, config.training.total_steps, start.step)
     progress = Progress(start.step, start.version)
     try:
@@ -352,17 +355,41 @@ def check_task_app(config: RLGateConfig, key: str | None) -> TaskAppClient | Non
     return app
 
 
+def load_dataset_task(config: RLGateConfig) -> DatasetTask | None:
+    """``[task] dataset`` with its reward function, loaded and checked; None without one."""
+    task = config.task
+    if task.dataset is None:
+        return None
+    try:
+        loaded = dataset_task(task.dataset, task.dataset_split, task.prompt_column, task.reward)
+    except DatasetError as err:
+        raise SystemExit(f"rlgate: [task] dataset: {err}") from None
+    print(f"rlgate: dataset {task.dataset}: {len(loaded.rows)} prompts, reward {task.reward}", flush=True)
+    return loaded
+
+
 def start_episodes(
-    config: RLGateConfig, url: str, key: str, stopping: threading.Event, task_app: TaskAppClient | None
+    config: RLGateConfig,
+    url: str,
+    key: str,
+    stopping: threading.Event,
+    task_app: TaskAppClient | None,
+    dataset: DatasetTask | None = None,
 ) -> Episodes | None:
-    """Play the task app or the built-in task, if one is configured; else wait for
-    external agents (online mode). Sets ``stopping`` if the environment stays down."""
+    """Play the task app, the dataset or the built-in task, if one is configured;
+    else wait for external agents (online mode). Sets ``stopping`` if the
+    environment stays down."""
     task = config.task
     if task_app is not None:
         groups, run = task_app_episodes(task_app, config, config.served_model_name, config.gateway.run_name)
-    elif task.builtin is not None:
+    elif dataset is not None or task.builtin is not None:
         groups, run = builtin_episodes(
-            get_task(task.builtin), url, task.max_tokens, task.temperature, config.training.seed, task.env_delay_s
+            dataset or get_task(task.builtin),
+            url,
+            task.max_tokens,
+            task.temperature,
+            config.training.seed,
+            task.env_delay_s,
         )
     else:
         print("rlgate: online mode: training on sessions that agents run through the gateway", flush=True)

@@ -31,6 +31,7 @@ class Problem:
     id: str
     messages: list[dict]
     answer: str = ""
+    row: dict | None = None  # a dataset task's row, for its reward function
 
 
 class Vowels:

@@ -21,9 +21,26 @@ from safetensors.torch import load_file
 from rlgate.models import prepare_model
 from tests.support import ROOT, free_port, lines
 
+VOWELS_REWARD = """
+def reward(completion, row, messages):
+    assert messages == [{"role": "user", "content": row["prompt"]}]
+    letters = [c for c in completion.lower() if c.isalpha()]
+    return sum(c in row["letters"] for c in letters) / len(letters) if letters else 0.0
+"""
 
-def config(tmp_path, total_steps: int, save_every: int = 2, engine: str = "auto") -> Path:
-    """A run of the built-in task, on its own local Ray."""
+
+def vowels_dataset(tmp_path) -> str:
+    """The [task] lines of a dataset run: the built-in vowels task's prompts as a
+    .jsonl file and its reward as a function in a file, which reads the row."""
+    topics = ["the sea", "a cat", "music", "rain", "a garden", "the moon"]
+    rows = [{"prompt": f"Say something about {topic}.", "letters": "aeiou"} for topic in topics]
+    (tmp_path / "vowels.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "vowels_reward.py").write_text(VOWELS_REWARD)
+    return f'dataset = "{tmp_path / "vowels.jsonl"}"\nreward = "{tmp_path / "vowels_reward.py"}:reward"'
+
+
+def config(tmp_path, total_steps: int, save_every: int = 2, engine: str = "auto", task: str = "") -> Path:
+    """A run of the built-in task (or ``task``'s [task] lines), on its own local Ray."""
     path = tmp_path / f"train-{total_steps}.toml"
     path.write_text(f"""
 [model]
@@ -43,7 +60,7 @@ learning_rate = 3e-3
 total_steps = {total_steps}
 save_every = {save_every}
 [task]
-builtin = "vowels"
+{task or 'builtin = "vowels"'}
 max_concurrent = 8
 max_tokens = 12
 """)
@@ -115,13 +132,14 @@ def test_a_run_survives_a_killed_worker_and_ctrl_c_then_resumes_from_its_checkpo
     and the run goes on. Ctrl-C (SIGINT) after step 2, then ``rlgate train
     --resume`` with more steps: the run finishes from its checkpoint at the right
     version, on exact weights, having trained no trajectory twice. The HF engine
-    serves (it starts in one process; the vLLM path's pushes are the online test's)."""
+    serves (it starts in one process; the vLLM path's pushes are the online test's).
+    Its episodes are a dataset's prompts, scored by a reward function in a file."""
     import signal
     import time
 
     import psutil
 
-    path = config(tmp_path, total_steps=3, save_every=1, engine="hf")
+    path = config(tmp_path, total_steps=3, save_every=1, engine="hf", task=vowels_dataset(tmp_path))
     run = tmp_path / "runs" / "e2e"
     driver = start_driver(path)
 
@@ -151,11 +169,12 @@ def test_a_run_survives_a_killed_worker_and_ctrl_c_then_resumes_from_its_checkpo
             driver.kill()
             driver.wait()
     assert driver.returncode == 0 and "rlgate: interrupted" in output, output[-3000:]
+    assert f"rlgate: dataset {tmp_path / 'vowels.jsonl'}: 6 prompts" in output
     assert (run / "reward_curve.png").stat().st_size > 0  # written on the way out (the curve is drawn only then)
     stopped_at = steps()
     assert stopped_at in (2, 3)  # a step under way when Ctrl-C came may finish first
 
-    more = config(tmp_path, total_steps=4, save_every=1, engine="hf")
+    more = config(tmp_path, total_steps=4, save_every=1, engine="hf", task=vowels_dataset(tmp_path))
     resumed = train(more, "--resume", command="rlgate")  # `rlgate train` with no gateway: the run, here
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     metrics = lines(run / "metrics.jsonl")
@@ -169,6 +188,7 @@ def test_a_run_survives_a_killed_worker_and_ctrl_c_then_resumes_from_its_checkpo
     used = [seq for b in lines(run / "batches.jsonl") for seq in b["seqs"]]
     assert len(used) == len(set(used)) == 4 * 8  # no trajectory trained twice, every batch whole
     records = {r["seq"]: r for f in sorted((run / "trajectories").glob("*.jsonl")) for r in lines(f)}
+    assert {r["task_id"] for r in records.values()} <= {f"row-{i}" for i in range(6)}  # a group per dataset row
     for batch in lines(run / "batches.jsonl"):  # each step trained what the version before it sampled
         assert all(
             {v for m, v in zip(records[seq]["loss_mask"], records[seq]["versions"]) if m} == {batch["step"] - 1}

@@ -63,6 +63,10 @@ def test_native_payloads_toml_or_json():
         ({"config": {"training": {"batch_size": 0}, "task": {"builtin": "vowels"}}}, "training.batch_size"),
         ({"config": {"trainig": {}, "task": {"builtin": "vowels"}}}, "trainig: unknown key"),
         ({"data": {"config": {**SYNTH, "training": {"lora": True}}}}, "training.lora"),
+        (  # a reward function is code the cluster would import for whoever submits
+            {"config": {"task": {"dataset": "rows.jsonl", "reward": "os:system"}}},
+            "task.reward: a job over HTTP cannot name code for the cluster to import",
+        ),
     ],
 )
 def test_bad_requests_name_what_is_wrong(body, message):
