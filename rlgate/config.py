@@ -224,8 +224,15 @@ class AlgorithmConfig(_Section):
         "grpo", description="A named recipe; it sets the fields below that are left unset (see VARIETY_DEFAULTS)."
     )
     advantage: Literal["grpo", "dr_grpo", "rloo"] | None = Field(None, description="Group advantage estimator.")
-    loss: Literal["ppo_clip", "gspo", "decoupled_ppo"] | None = Field(
-        None, description="Policy loss; ppo_clip becomes decoupled_ppo when [training] max_staleness > 0."
+    loss: Literal["ppo_clip", "gspo", "decoupled_ppo", "cispo"] | None = Field(
+        None,
+        description="Policy loss; ppo_clip becomes decoupled_ppo when [training] max_staleness > 0 "
+        "or truncated_is is set.",
+    )
+    truncated_is: bool = Field(
+        False,
+        description="Truncated importance sampling against the engine's logprobs (the train/inference "
+        "mismatch) at max_staleness 0 too: ppo_clip becomes decoupled_ppo, capped at behaviour_weight_cap.",
     )
     clip_low: float = Field(0.2, gt=0, lt=1, description="Ratio floor is 1 - clip_low.")
     clip_high: float | None = Field(None, gt=0, le=10, description="Ratio ceiling is 1 + clip_high (default clip_low).")
@@ -241,13 +248,24 @@ class AlgorithmConfig(_Section):
         None, description="Drop groups whose rewards are all equal (no learning signal), as DAPO's dynamic sampling."
     )
 
+    @model_validator(mode="after")
+    def _truncated_is_on_ppo(self) -> AlgorithmConfig:
+        loss = self.loss or VARIETY_DEFAULTS[self.variety]["loss"]
+        if self.truncated_is and loss not in ("ppo_clip", "decoupled_ppo"):
+            raise ValueError(
+                f"truncated_is applies to the ppo_clip loss, not {loss} "
+                "(cispo weights every token by its clipped ratio to the sampler already)"
+            )
+        return self
+
     def resolved(self, max_staleness: int) -> ResolvedAlgorithm:
         """Every setting with the variety's defaults filled in."""
         settings = {**VARIETY_DEFAULTS[self.variety]}
         settings.update({k: v for k, v in self.model_dump().items() if v is not None})
         settings.setdefault("clip_high", self.clip_low)
         settings.setdefault("drop_equal_reward_groups", False)
-        if max_staleness > 0 and settings["loss"] == "ppo_clip":
+        truncated_is = settings.pop("truncated_is")
+        if (max_staleness > 0 or truncated_is) and settings["loss"] == "ppo_clip":
             settings["loss"] = "decoupled_ppo"  # off-policy tokens need the behaviour correction
         return ResolvedAlgorithm(**settings)
 

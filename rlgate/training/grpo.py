@@ -5,7 +5,9 @@ Shapes: ``B`` sequences, ``T`` tokens per (padded) sequence.
 * Advantages, group-relative: :func:`group_advantages` with a registry of
   estimators (GRPO mean/std, Dr.GRPO without std, RLOO leave-one-out).
 * Policy losses, per token: a registry (PPO-clip with asymmetric clip as in
-  DAPO's clip-higher, GSPO's sequence-level ratio, AReaL's decoupled PPO),
+  DAPO's clip-higher, GSPO's sequence-level ratio, AReaL's decoupled PPO, which
+  is also truncated importance sampling against the sampler, and CISPO's
+  clipped, detached importance weights on every token),
   then :func:`aggregate` over tokens and sequences, optionally plus a k3 KL
   to a frozen reference.
 
@@ -156,10 +158,23 @@ def decoupled_ppo_loss(batch: PolicyBatch, cfg: LossConfig) -> tuple[torch.Tenso
     return weight * loss, {"clip_fraction": clipped, "ratio": ratio.detach(), "behaviour_weight": weight}
 
 
+def cispo_loss(batch: PolicyBatch, cfg: LossConfig) -> tuple[torch.Tensor, dict]:
+    """CISPO (MiniMax-M1): REINFORCE on every token, weighted by its importance
+    ratio against the policy that sampled it (``behaviour_logp``; else
+    ``old_logp``), clipped to [1 - clip_low, 1 + clip_high] and detached. Unlike
+    PPO's clip, no token's gradient is dropped; the clip only bounds its weight."""
+    sampler = batch.behaviour_logp if batch.behaviour_logp is not None else batch.old_logp
+    ratio = torch.exp(batch.logp.detach() - sampler)
+    weight = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+    loss = -weight * batch.token_advantages() * batch.logp
+    return loss, {"clip_fraction": (weight != ratio).to(ratio.dtype), "ratio": ratio}
+
+
 POLICY_LOSSES: dict[str, Callable[[PolicyBatch, LossConfig], tuple[torch.Tensor, dict]]] = {
     "ppo_clip": ppo_clip_loss,
     "gspo": gspo_loss,
     "decoupled_ppo": decoupled_ppo_loss,
+    "cispo": cispo_loss,
 }
 
 

@@ -116,6 +116,43 @@ def test_decoupled_ppo_weights_by_proximal_over_behaviour():
         policy_loss(PolicyBatch(b.logp, b.old_logp, b.advantages, b.mask), cfg, "decoupled_ppo")
 
 
+def test_cispo_weights_every_token_by_its_clipped_ratio_to_the_sampler():
+    cfg = LossConfig(clip_low=0.2, clip_high=0.28, aggregation="token_mean")
+    # ratios to the sampler (behaviour_logp; old_logp is the trainer's own): 1.5 -> weight 1.28, 0.5 -> 0.8
+    b = batch([[1.0, 1.0], [1.0, 1.0]], [1.0, -1.0], behaviour_shift=math.log(1.5))
+    b.behaviour_logp[:, 1] = b.old_logp[:, 1] - math.log(0.5)
+    loss, metrics = policy_loss(b, cfg, "cispo")
+    logp = b.logp.detach()
+    weights = torch.tensor([[1.28, 0.8], [1.28, 0.8]])
+    advantages = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    assert loss.item() == pytest.approx(float((-weights * advantages * logp).mean()), rel=1e-6)
+    assert metrics["clip_fraction"] == pytest.approx(1.0) and metrics["ratio"] == pytest.approx(1.0)
+    loss.backward()
+    # unlike PPO's clip, a clipped token keeps its gradient: -weight * A / 4, the weight held constant
+    assert b.logp.grad.flatten().tolist() == pytest.approx((-weights * advantages / 4).flatten().tolist())
+    inside = batch([[1.1]], [2.0])  # no sampler given: the ratio to old_logp, within the clip
+    inside = PolicyBatch(inside.logp, inside.old_logp, inside.advantages, inside.mask)
+    loss, metrics = policy_loss(inside, cfg, "cispo")
+    assert (
+        loss.item() == pytest.approx(-1.1 * 2.0 * float(inside.logp.detach()), rel=1e-6)
+        and metrics["clip_fraction"] == 0
+    )
+
+
+def test_truncated_is_turns_ppo_clip_into_the_capped_behaviour_weight_at_any_staleness():
+    from rlgate.config import ConfigError, parse_config
+
+    def loss_of(algorithm: dict, staleness: int = 0) -> str:
+        return parse_config({"algorithm": algorithm}).algorithm.resolved(staleness).loss
+
+    assert loss_of({}) == "ppo_clip" and loss_of({}, staleness=1) == "decoupled_ppo"
+    assert loss_of({"truncated_is": True}) == "decoupled_ppo"  # the train/inference mismatch, at S = 0
+    assert loss_of({"loss": "cispo"}, staleness=2) == "cispo"
+    for refused in ({"variety": "gspo", "truncated_is": True}, {"loss": "cispo", "truncated_is": True}):
+        with pytest.raises(ConfigError, match="truncated_is applies to the ppo_clip loss"):
+            parse_config({"algorithm": refused})
+
+
 def test_kl_k3_by_hand_and_in_the_loss():
     logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -1.5])
     # r = ref - logp = (0, 0.5): k3 = (0, e^0.5 - 0.5 - 1)
@@ -149,7 +186,7 @@ def test_aggregations_by_hand():
 
 
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
-@pytest.mark.parametrize("variant", ["ppo_clip", "gspo", "decoupled_ppo"])
+@pytest.mark.parametrize("variant", ["ppo_clip", "gspo", "decoupled_ppo", "cispo"])
 def test_a_batch_split_across_workers_sums_to_the_full_loss_and_gradient(mode, variant):
     torch.manual_seed(0)
     rows, width = 8, 6

@@ -71,8 +71,9 @@ def sequence_logprobs(model, batch: TrainBatch) -> torch.Tensor:
         return (token_logprobs(model, batch) * batch.loss_mask).sum(-1)
 
 
-def test_a_step_moves_probability_towards_positive_advantages(sampled, reference_model):
-    trainer = make_trainer(reference_model, loss=LossConfig(aggregation="token_mean"))
+@pytest.mark.parametrize("variety_loss", ["ppo_clip", "cispo"])
+def test_a_step_moves_probability_towards_positive_advantages(sampled, reference_model, variety_loss):
+    trainer = make_trainer(reference_model, loss=LossConfig(aggregation="token_mean"), variety_loss=variety_loss)
     before = sequence_logprobs(trainer.model, sampled)
     metrics = trainer.step(sampled, version=0)
     change = sequence_logprobs(trainer.model, sampled) - before
