@@ -15,6 +15,7 @@ import itertools
 import logging
 import random
 import re
+import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -177,10 +178,13 @@ def builtin_episodes(
 
     rng = random.Random(seed)
 
+    player = secrets.token_hex(2)  # this driver's: a resumed run's groups never join the earlier run's
+
     def groups() -> Iterator[tuple[str, Problem]]:
-        while True:
+        for number in itertools.count():
             problem = task.problem(rng)
-            yield problem.id, problem
+            # each group its own task id: two groups of one problem in flight at once never mix
+            yield f"{problem.id}.{player}-{number}", problem
 
     async def run(session: dict, problem: Problem) -> float:
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=session["api_key"], max_retries=2) as client:

@@ -162,3 +162,17 @@ def test_a_dataset_and_a_task_app_are_one_too_many():
     settings = {"task": {"dataset": "rows.jsonl", "reward": "m:f"}, "services": {"task_url": "http://127.0.0.1:9"}}
     with pytest.raises(ConfigError, match=r"set one of \[task\] dataset and \[services\] task_url"):
         parse_config(settings)
+
+
+def test_each_group_has_its_own_task_id_when_a_row_comes_again():
+    """Groups are made of sessions with one task id: two groups of the same row
+    in flight at once (a new pass starting, or a resumed run) must not mix."""
+    from rlgate.training.tasks import builtin_episodes
+
+    def ids(count: int) -> list[str]:
+        groups, _ = builtin_episodes(DatasetTask(ROWS[:1], "prompt", score, "rows"), "http://127.0.0.1:9")
+        return [next(groups)[0] for _ in range(count)]
+
+    first, resumed = ids(3), ids(3)
+    assert len(set(first)) == 3 and all(i.startswith("row-0.") for i in first)
+    assert not set(first) & set(resumed)  # a resumed run's groups never join the earlier run's open ones
