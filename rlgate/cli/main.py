@@ -9,6 +9,7 @@
     rlgate jobs list | status ID | events ID | cancel ID
     rlgate session start --task-id T | reward --key K R | end --key K [--failed]
     rlgate trajectories export RUN --out FILE [--format parquet|jsonl] [--model NAME]
+    rlgate export RUN OUT [--step N] [--push-to-hub REPO_ID]  a checkpoint as a Hugging Face model folder
 
 The HTTP commands talk to ``--backend`` (default ``$RLGATE_URL``, else
 http://127.0.0.1:8000; for ``train``, no gateway means training here) with
@@ -106,6 +107,13 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="the file to write")
     export.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
     export.add_argument("--model", help="whose tokenizer decodes the text (default: the run's config.toml)")
+    model_export = commands.add_parser(
+        "export", help="a run's checkpoint as a Hugging Face model folder with a model card"
+    )
+    model_export.add_argument("run", help="the run folder (holding trainer/checkpoint_*/)")
+    model_export.add_argument("out", help="the folder to write (new or empty)")
+    model_export.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest)")
+    model_export.add_argument("--push-to-hub", metavar="REPO_ID", help="then upload it to this Hub model repo")
     return parser
 
 
@@ -143,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_chat(args.config)
         if args.command == "trajectories":
             return _export(args)
+        if args.command == "export":
+            return _export_model(args)
     except (ModelNotFoundError, ValueError) as err:
         print(f"rlgate: error: {err}", file=sys.stderr)
         return 2
@@ -159,6 +169,16 @@ def _export(args) -> int:
         raise ValueError(f"{args.run} has no config.toml naming its model; pass --model")
     count = export(args.run, args.out, args.format, AutoTokenizer.from_pretrained(prepare_model(model)))
     print(f"{count} records -> {args.out}")
+    return 0
+
+
+def _export_model(args) -> int:
+    from rlgate.cli.export_model import export_model, push_to_hub
+
+    out, step = export_model(args.run, args.out, args.step)
+    print(f"rlgate: step {step} of {args.run} -> {out} (README.md is its model card)")
+    if args.push_to_hub:
+        print(f"rlgate: pushed to {push_to_hub(out, args.push_to_hub)}")
     return 0
 
 
