@@ -442,6 +442,21 @@ class EvaluationConfig(_Section):
     )
 
 
+class LoggingConfig(_Section):
+    """Trackers beside metrics.jsonl (rlgate.training.tracking); each needs its package."""
+
+    tensorboard: bool = Field(False, description="Write TensorBoard event files in <run>/tensorboard/.")
+    wandb: bool = Field(False, description="Log to a Weights & Biases run (its files in <run>/wandb/).")
+    wandb_project: str = Field("rlgate", min_length=1, description="W&B project.")
+    wandb_entity: str | None = Field(None, description="W&B entity (team or user); None: the account's default.")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="W&B mode; None: online when WANDB_API_KEY is set, else offline (wandb sync uploads later)."
+    )
+    samples_per_step: int = Field(
+        4, ge=0, le=1024, description="Trajectories per step logged as a table of prompt, completion and reward."
+    )
+
+
 class RLGateConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -453,6 +468,7 @@ class RLGateConfig(_Section):
     jobs: JobsConfig = Field(default_factory=JobsConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
     tags: dict[str, str] = Field(default_factory=dict, description="Free-form labels kept with the run.")
 
     @model_validator(mode="after")

@@ -58,6 +58,7 @@ from rlgate.training.loop import collect, normaliser, score, surviving
 from rlgate.training.placement import cluster_nodes, plan, unplaceable, wait_for_room, worker_bundle
 from rlgate.training.runlog import RunLog
 from rlgate.training.tasks import Episodes, builtin_episodes, evaluate, get_task, task_app_episodes
+from rlgate.training.tracking import Tracking
 
 
 def main() -> int:
@@ -73,6 +74,7 @@ def main() -> int:
         config.model.name = str(start.weights)
     if start.buffer is None:  # a fresh run trains on episodes that finish from now on, the first included
         start.buffer = {"watermark": last_seq(run_dir / "trajectories"), "done_above": []}
+    tracking = start_tracking(config, run_dir)  # [logging]: a missing package fails the run here
     ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE)
     # before anything starts: a bad task app fails the run at once
     task_app = check_task_app(config, task_app_key(args.job_manager, config.gateway.run_name))
@@ -86,7 +88,7 @@ def main() -> int:
     admit_under_the_rule(config, start.version)  # before any episode starts
     stopping = threading.Event()
     episodes = start_episodes(config, url, key.value, stopping, task_app, dataset)
-    log = RunLog(run_dir, config.training.total_steps, start.step)
+    log = RunLog(run_dir, config.training.total_steps, start.step, tracking=tracking)
     progress = Progress(start.step, start.version)
     try:
         train(
@@ -221,8 +223,18 @@ def train(config: RLGateConfig, buffer_state: dict, progress: Progress, trainer,
         served(policy, version, config.rollout.replicas)  # every engine serves v + 1
         surviving(lambda v=version: capacity.on_new_version.remote(v), "the new version")  # admit the next sessions
         summary = summarise(records, metrics, version, buffer, started, synced) | {"collect_s": started - waited}
-        log.log(step, summary | evaluate_at(step))  # held-out seeds, every [evaluation] every_n_iters
+        log.log(step, summary | evaluate_at(step), records)  # held-out seeds, every [evaluation] every_n_iters
         log.batch(step, [r["seq"] for r in records])
+
+
+def start_tracking(config: RLGateConfig, run_dir: Path) -> Tracking:
+    """The trackers ``[logging]`` asks for (SystemExit, saying which package, when one is missing)."""
+    try:
+        return Tracking.start(
+            config.logging, run_dir, config.gateway.run_name, config.model_dump(mode="json"), resolve_model(config)
+        )
+    except ImportError as err:
+        raise SystemExit(f"rlgate: {err}") from None
 
 
 def admit_under_the_rule(config: RLGateConfig, version: int) -> None:

@@ -1,6 +1,7 @@
 """What a training run shows and keeps: a live progress bar, ``metrics.jsonl``,
 ``batches.jsonl`` (which trajectories each step used), Ray dashboard metrics
-(``ray.util.metrics``, declared in :mod:`rlgate.telemetry`), and a reward-curve PNG."""
+(``ray.util.metrics``, declared in :mod:`rlgate.telemetry`), a reward-curve PNG,
+and the trackers ``[logging]`` asks for (:mod:`rlgate.training.tracking`)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ import time
 from pathlib import Path
 
 from rlgate.telemetry import TRAIN_GAUGES, Metrics
+from rlgate.training.tracking import Tracking
 
 SHOWN = ("reward_mean", "samples", "dropped", "staleness", "tokens_per_s", "step_s")
 
 
 class RunLog:
-    def __init__(self, folder: Path, total_steps: int, first_step: int = 0, show: bool = True) -> None:
+    def __init__(
+        self, folder: Path, total_steps: int, first_step: int = 0, show: bool = True, tracking: Tracking | None = None
+    ) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.folder = folder
@@ -31,8 +35,11 @@ class RunLog:
         self.task = self.progress.add_task("train", total=total_steps, completed=first_step, summary="waiting")
         self.progress.start()
         self.metrics = Metrics(folder.name)
+        self.tracking = tracking or Tracking([], None, 0)
 
-    def log(self, step: int, metrics: dict) -> None:
+    def log(self, step: int, metrics: dict, records: list[dict] = ()) -> None:
+        """A step's line in metrics.jsonl, the progress bar, the dashboard, and
+        the trackers (with a few of ``records``, the step's trajectories, as samples)."""
         record = {"step": step, "time": time.time(), **metrics}
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
@@ -42,6 +49,7 @@ class RunLog:
             value = metrics.get(name, metrics.get(f"train_{name}"))
             if value is not None:
                 self.metrics.set(f"rlgate_train_{name}", float(value))
+        self.tracking.log(step, metrics, list(records))
 
     def batch(self, step: int, seqs: list[int]) -> None:
         """Which saved trajectories (by ``seq``) a step trained on: the audit trail."""
@@ -77,3 +85,4 @@ class RunLog:
 
     def close(self) -> None:
         self.progress.stop()
+        self.tracking.close()

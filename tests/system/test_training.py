@@ -39,8 +39,10 @@ def vowels_dataset(tmp_path) -> str:
     return f'dataset = "{tmp_path / "vowels.jsonl"}"\nreward = "{tmp_path / "vowels_reward.py"}:reward"'
 
 
-def config(tmp_path, total_steps: int, save_every: int = 2, engine: str = "auto", task: str = "") -> Path:
-    """A run of the built-in task (or ``task``'s [task] lines), on its own local Ray."""
+def config(
+    tmp_path, total_steps: int, save_every: int = 2, engine: str = "auto", task: str = "", more: str = ""
+) -> Path:
+    """A run of the built-in task (or ``task``'s [task] lines, and ``more`` sections), on its own local Ray."""
     path = tmp_path / f"train-{total_steps}.toml"
     path.write_text(f"""
 [model]
@@ -63,6 +65,7 @@ save_every = {save_every}
 {task or 'builtin = "vowels"'}
 max_concurrent = 8
 max_tokens = 12
+{more}
 """)
     return path
 
@@ -139,7 +142,8 @@ def test_a_run_survives_a_killed_worker_and_ctrl_c_then_resumes_from_its_checkpo
 
     import psutil
 
-    path = config(tmp_path, total_steps=3, save_every=1, engine="hf", task=vowels_dataset(tmp_path))
+    tracked = "[logging]\ntensorboard = true\nsamples_per_step = 2"
+    path = config(tmp_path, total_steps=3, save_every=1, engine="hf", task=vowels_dataset(tmp_path), more=tracked)
     run = tmp_path / "runs" / "e2e"
     driver = start_driver(path)
 
@@ -174,7 +178,7 @@ def test_a_run_survives_a_killed_worker_and_ctrl_c_then_resumes_from_its_checkpo
     stopped_at = steps()
     assert stopped_at in (2, 3)  # a step under way when Ctrl-C came may finish first
 
-    more = config(tmp_path, total_steps=4, save_every=1, engine="hf", task=vowels_dataset(tmp_path))
+    more = config(tmp_path, total_steps=4, save_every=1, engine="hf", task=vowels_dataset(tmp_path), more=tracked)
     resumed = train(more, "--resume", command="rlgate")  # `rlgate train` with no gateway: the run, here
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     metrics = lines(run / "metrics.jsonl")
@@ -183,17 +187,30 @@ def test_a_run_survives_a_killed_worker_and_ctrl_c_then_resumes_from_its_checkpo
         # the engine sampled these tokens with the weights the trainer holds: every push was exact,
         # the restarted worker held the weights, the resumed engines started on the trained ones
         assert m["train_logprob_mismatch_max"] < 1e-4
-        assert m["staleness"] == 0 and m["dropped"] == 0  # S = 0: nothing older than the current version
+        assert m["staleness"] == 0  # S = 0: nothing older than the current version
         assert m["samples"] == 8
+    assert all(m["dropped"] == 0 for m in metrics[:stopped_at])  # the killed worker cost no episode
+    # episodes the stopped run finished at its last version, beyond what the resumed run trains at that
+    # version, go stale once it moves on: dropped (kept on disk, never trained), at most a batch of them
+    assert metrics[-1]["dropped"] <= 8
     used = [seq for b in lines(run / "batches.jsonl") for seq in b["seqs"]]
     assert len(used) == len(set(used)) == 4 * 8  # no trajectory trained twice, every batch whole
     records = {r["seq"]: r for f in sorted((run / "trajectories").glob("*.jsonl")) for r in lines(f)}
-    assert {r["task_id"] for r in records.values()} <= {f"row-{i}" for i in range(6)}  # a group per dataset row
+    assert {r["task_id"].split(".")[0] for r in records.values()} <= {f"row-{i}" for i in range(6)}  # a group per row
     for batch in lines(run / "batches.jsonl"):  # each step trained what the version before it sampled
         assert all(
             {v for m, v in zip(records[seq]["loss_mask"], records[seq]["versions"]) if m} == {batch["step"] - 1}
             for seq in batch["seqs"]
         )
+
+    # TensorBoard has every step once, across the resume, and each step's samples decoded
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/reward_mean")] == [1, 2, 3, 4]
+    samples = events.Tensors("samples/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert samples.count("| 4 | row-") == 2 and "Say something about" in samples
 
     # The latest checkpoint is a Hugging Face folder whose weights moved away from the start.
     states = {p.parent: json.loads(p.read_text()) for p in run.glob("trainer/checkpoint_*/trainer_state.json")}

@@ -1,0 +1,149 @@
+"""A run's step metrics and sample completions in TensorBoard and Weights & Biases
+(``[logging]``), beside ``metrics.jsonl``, which stays the record of truth.
+
+Each tracker is imported only when it is asked for (``pip install
+'rlgate[tracking]'`` brings both). A resumed run goes on in the same W&B run
+(its id is kept in the run folder) and the same TensorBoard folder. Samples are
+a few of each step's trajectories, decoded: the prompt, the completion, the
+reward.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from rlgate.config import LoggingConfig
+
+SAMPLE_COLUMNS = ["step", "task_id", "reward", "prompt", "completion"]
+
+
+class Tracker(Protocol):
+    def log(self, step: int, metrics: dict[str, float], samples: list[list[Any]]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def numeric(metrics: dict[str, Any]) -> dict[str, float]:
+    """The metrics a tracker can plot: finite numbers (bools count)."""
+    return {
+        name: float(value)
+        for name, value in metrics.items()
+        if isinstance(value, int | float) and math.isfinite(float(value))
+    }
+
+
+class TensorBoardTracker:
+    """Scalars under ``train/``, and the samples as a Markdown table, in ``<run>/tensorboard``."""
+
+    def __init__(self, folder: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ImportError("[logging] tensorboard needs the tensorboard package: pip install tensorboard") from None
+        self.writer = SummaryWriter(str(folder))
+
+    def log(self, step: int, metrics: dict[str, float], samples: list[list[Any]]) -> None:
+        for name, value in metrics.items():
+            self.writer.add_scalar(f"train/{name}", value, step)
+        if samples:
+            self.writer.add_text("samples", markdown_table(samples), step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    """One W&B run per rlgate run (resumed with it), its config the run's; the
+    samples as a ``wandb.Table`` per step. Offline unless ``WANDB_API_KEY`` is set
+    or ``[logging] wandb_mode`` says otherwise (``wandb sync`` uploads it later)."""
+
+    def __init__(self, settings: LoggingConfig, folder: Path, run_name: str, config: dict) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise ImportError("[logging] wandb needs the wandb package: pip install wandb") from None
+        self.wandb = wandb
+        folder.mkdir(parents=True, exist_ok=True)
+        id_file = folder / "run_id"
+        if not id_file.exists():
+            id_file.write_text(secrets.token_hex(6))  # W&B run ids are short lower-case strings
+        mode = settings.wandb_mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        self.run = wandb.init(
+            project=settings.wandb_project,
+            entity=settings.wandb_entity,
+            name=run_name,
+            id=id_file.read_text().strip(),
+            resume="allow",
+            dir=str(folder),
+            mode=mode,
+            config=config,
+        )
+
+    def log(self, step: int, metrics: dict[str, float], samples: list[list[Any]]) -> None:
+        data: dict[str, Any] = dict(metrics)
+        if samples:
+            data["samples"] = self.wandb.Table(columns=SAMPLE_COLUMNS, data=samples)
+        self.run.log(data, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def markdown_table(samples: list[list[Any]]) -> str:
+    def cell(value: Any) -> str:
+        text = f"{value:.3g}" if isinstance(value, float) else str(value)
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(SAMPLE_COLUMNS) + " |", "|" + "---|" * len(SAMPLE_COLUMNS)]
+    return "\n".join(lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in samples])
+
+
+def sample_rows(step: int, records: list[dict], decode: Callable[[list[int]], str], count: int) -> list[list[Any]]:
+    """Up to ``count`` of a step's trajectories as table rows: the prompt (the
+    tokens before the first trained one), the completion (the rest), the reward."""
+    rows = []
+    for record in [r for r in records if not r.get("failed")][:count]:
+        mask = record["loss_mask"]
+        first = mask.index(1) if 1 in mask else len(mask)
+        ids = record["input_ids"]
+        rows.append([step, record["task_id"], float(record["reward"]), decode(ids[:first]), decode(ids[first:])])
+    return rows
+
+
+class Tracking:
+    """The trackers ``[logging]`` asks for, fed by the run log each step."""
+
+    def __init__(self, trackers: list[Tracker], decode: Callable[[list[int]], str] | None, samples: int) -> None:
+        self.trackers, self.decode, self.samples = trackers, decode, samples
+
+    @classmethod
+    def start(cls, settings: LoggingConfig, run_dir: Path, run_name: str, config: dict, model_path: str) -> Tracking:
+        trackers: list[Tracker] = []
+        if settings.tensorboard:
+            trackers.append(TensorBoardTracker(run_dir / "tensorboard"))
+        if settings.wandb:
+            trackers.append(WandbTracker(settings, run_dir / "wandb", run_name, config))
+        decode = None
+        if trackers and settings.samples_per_step:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+            decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        return cls(trackers, decode, settings.samples_per_step)
+
+    def log(self, step: int, metrics: dict[str, Any], records: list[dict]) -> None:
+        if not self.trackers:
+            return
+        samples = sample_rows(step, records, self.decode, self.samples) if self.decode else []
+        for tracker in self.trackers:
+            tracker.log(step, numeric(metrics), samples)
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()

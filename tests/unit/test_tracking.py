@@ -1,0 +1,107 @@
+"""[logging]: a run's steps in TensorBoard and W&B (offline), read back with each
+tool's own reader; samples decoded from the step's trajectories."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlgate.config import ConfigError, parse_config
+from rlgate.training.runlog import RunLog
+from rlgate.training.tracking import SAMPLE_COLUMNS, Tracking, markdown_table, numeric, sample_rows
+
+RECORDS = [
+    {"task_id": "row-1.0", "reward": 1.0, "input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1], "failed": False},
+    {"task_id": "row-1.0", "reward": 0.0, "input_ids": [1, 2], "loss_mask": [0, 0], "failed": True},
+    {"task_id": "row-2.1", "reward": 0.5, "input_ids": [1, 5, 6], "loss_mask": [0, 1, 1], "failed": False},
+]
+
+
+def decode(ids: list[int]) -> str:
+    return " ".join(f"t{i}" for i in ids)
+
+
+def test_samples_are_prompt_completion_and_reward_of_unfailed_trajectories():
+    assert sample_rows(3, RECORDS, decode, 4) == [
+        [3, "row-1.0", 1.0, "t1 t2", "t3 t4"],
+        [3, "row-2.1", 0.5, "t1", "t5 t6"],
+    ]
+    assert len(sample_rows(3, RECORDS, decode, 1)) == 1
+    table = markdown_table([[3, "a|b", 0.25, "line\nbreak", "x"]])
+    assert table.splitlines()[0] == "| " + " | ".join(SAMPLE_COLUMNS) + " |"
+    assert table.splitlines()[2] == "| 3 | a\\|b | 0.25 | line<br>break | x |"
+
+
+def test_only_finite_numbers_are_plotted():
+    assert numeric({"a": 1, "b": 0.5, "c": float("nan"), "d": "text", "e": True, "f": None}) == {
+        "a": 1.0,
+        "b": 0.5,
+        "e": 1.0,
+    }
+
+
+def steps(folder, settings: dict, model_path, first: int = 0, last: int = 3) -> None:
+    config = parse_config({"logging": settings})
+    tracking = Tracking.start(config.logging, folder, "tracked", config.model_dump(mode="json"), str(model_path))
+    assert tracking.decode([]) == ""  # the model's tokenizer; these records' ids are made up, so:
+    tracking.decode = decode
+    log = RunLog(folder, last, first, show=False, tracking=tracking)
+    for step in range(first + 1, last + 1):
+        log.log(step, {"reward_mean": step / 10, "loss": -step, "note": "text"}, RECORDS)
+    log.close()
+
+
+def test_tensorboard_event_files_hold_every_step_and_the_samples(tmp_path, tiny_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps(tmp_path, {"tensorboard": True, "samples_per_step": 2}, tiny_path)
+    steps(tmp_path, {"tensorboard": True, "samples_per_step": 2}, tiny_path, first=3, last=4)  # resumed: goes on
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    rewards = [(e.step, round(e.value, 6)) for e in events.Scalars("train/reward_mean")]
+    assert rewards == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)]
+    assert "train/note" not in events.Tags()["scalars"]
+    [text] = {t for t in events.Tags()["tensors"] if t.startswith("samples")}
+    last = events.Tensors(text)[-1]
+    assert last.step == 4 and "| 4 | row-2.1 | 0.5 | t1 | t5 t6 |" in last.tensor_proto.string_val[0].decode()
+    assert len(json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])) == 5  # the record of truth
+
+
+def test_wandb_offline_runs_go_on_as_one_run_with_a_samples_table_per_step(tmp_path, monkeypatch, tiny_path):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)  # no key: offline, synced later with `wandb sync`
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    steps(tmp_path, {"wandb": True, "wandb_project": "rlgate-tests"}, tiny_path)
+    steps(tmp_path, {"wandb": True, "wandb_project": "rlgate-tests"}, tiny_path, first=3, last=4)
+    runs = sorted((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
+    run_id = (tmp_path / "wandb" / "run_id").read_text()
+    assert len(runs) == 2 and all(r.name.endswith(run_id) for r in runs)  # one W&B run, resumed
+    tables = [sorted((r / "files" / "media" / "table").glob("samples_*.table.json")) for r in runs]
+    assert [len(t) for t in tables] == [3, 1]  # a table per step
+    last = json.loads(tables[1][0].read_text())
+    assert last["columns"] == SAMPLE_COLUMNS and last["data"][1] == [4, "row-2.1", 0.5, "t1", "t5 t6"]
+    log = (runs[1] / f"run-{run_id}.wandb").read_bytes()  # W&B's own record of the run, to sync
+    assert b"reward_mean" in log and b"rlgate-tests" in log and b"samples_per_step" in log
+
+
+def test_a_missing_tracker_package_is_said_by_name(tmp_path, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def without_wandb(name, *args, **kwargs):
+        if name == "wandb":
+            raise ImportError("No module named 'wandb'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_wandb)
+    config = parse_config({"logging": {"wandb": True}})
+    with pytest.raises(ImportError, match=r"\[logging\] wandb needs the wandb package: pip install wandb"):
+        Tracking.start(config.logging, tmp_path, "run", {}, "unused")
+
+
+def test_logging_settings_are_checked():
+    with pytest.raises(ConfigError, match="logging.wandb_mode"):
+        parse_config({"logging": {"wandb_mode": "sometimes"}})
+    with pytest.raises(ConfigError, match="logging.tensorbord: unknown key"):
+        parse_config({"logging": {"tensorbord": True}})
