@@ -29,7 +29,7 @@ from ray.train import Checkpoint
 
 from rlgate.actors.policy_store import Republisher
 from rlgate.config import RLGateConfig
-from rlgate.run import CHECKPOINTS, NAMESPACE, STATE_FILE, checkpoint_states, checkpoints_dir
+from rlgate.run import CHECKPOINTS, NAMESPACE, STATE_FILE, checkpoint_name, checkpoint_states, checkpoints_dir
 from rlgate.training.grpo import LossConfig
 from rlgate.training.loop import surviving
 from rlgate.training.policy_step import PolicyTrainer, StepSettings, collate, shard
@@ -156,7 +156,10 @@ def _report(metrics: dict, version: int, rank: int, save: tuple | None) -> None:
             state = {"next_command": next_command, "version": version, "driver": driver_state}
             (Path(folder) / STATE_FILE).write_text(json.dumps(state))
             checkpoint = Checkpoint.from_directory(folder)
-        ray.train.report({**metrics, "version": version}, checkpoint=checkpoint)
+        step = (driver_state or {}).get("step", version)
+        ray.train.report(
+            {**metrics, "version": version}, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_name(step)
+        )
 
 
 class TrainerWorkers:

@@ -19,7 +19,7 @@ role            what                                                  made by
 
 Its files are under ``<run_dir>/<run>/``: ``trajectories/``, ``sessions/``,
 ``capacity.jsonl``, ``policy.json``, ``metrics.jsonl`` and the trainer's
-checkpoints in ``trainer/checkpoint_*/`` (each with its ``trainer_state.json``
+checkpoints in ``trainer/step-<step>/`` (each with its ``trainer_state.json``
 and the ``model/`` a job's results point at).
 """
 
@@ -35,7 +35,7 @@ ROLES = ("sessions", "trajectories", "capacity", "policy", "train")  # what a fi
 # weights, session counts, open sessions. (Its TrajectoryStore only appends to the
 # run's files, which stay; the channel belongs to a driver that has ended.)
 INHERITED_STATE = ("policy", "capacity", "sessions")
-CHECKPOINTS = "trainer"  # <run folder>/trainer/checkpoint_*/
+CHECKPOINTS = "trainer"  # <run folder>/trainer/step-000020/ (runs before step names: checkpoint_<time>/)
 STATE_FILE = "trainer_state.json"
 
 
@@ -93,4 +93,10 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
 def checkpoint_states(checkpoints: str | Path) -> dict[Path, dict]:
     """Each checkpoint folder the trainer saved under ``checkpoints`` (a run's
     :func:`checkpoints_dir`), with its trainer state."""
-    return {p.parent: json.loads(p.read_text()) for p in Path(checkpoints).glob(f"checkpoint_*/{STATE_FILE}")}
+    found = [*Path(checkpoints).glob(f"step-*/{STATE_FILE}"), *Path(checkpoints).glob(f"checkpoint_*/{STATE_FILE}")]
+    return {p.parent: json.loads(p.read_text()) for p in found}
+
+
+def checkpoint_name(step: int) -> str:
+    """A checkpoint's folder under :func:`checkpoints_dir`: named by its step."""
+    return f"step-{step:06d}"

@@ -1,7 +1,7 @@
 """``rlgate export RUN OUT [--step N]``: a run's checkpoint as a Hugging Face model
 folder with a model card, ready for ``from_pretrained``, vLLM, or the Hub.
 
-The checkpoints a run keeps (``trainer/checkpoint_*/``, :mod:`rlgate.run`) hold
+The checkpoints a run keeps (``trainer/step-<step>/``, :mod:`rlgate.run`) hold
 the model, the optimizer and where to resume; an export copies the model (and
 its tokenizer) and writes ``README.md``: what it was trained from, with what,
 and the step's metrics from ``metrics.jsonl``.
@@ -21,7 +21,7 @@ def checkpoint_at(run: str | Path, step: int | None = None) -> tuple[Path, int, 
     """The checkpoint folder of ``step`` (default: the latest), its step and its trainer state."""
     states = checkpoint_states(checkpoints_dir(run))
     if not states:
-        raise ValueError(f"{run} has no checkpoints (trainer/checkpoint_*/); set [training] save_every")
+        raise ValueError(f"{run} has no checkpoints (trainer/step-*/); set [training] save_every")
     by_step = {(state.get("driver") or {}).get("step", state["version"]): (f, state) for f, state in states.items()}
     chosen = max(by_step) if step is None else step
     if chosen not in by_step:

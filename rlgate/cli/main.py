@@ -110,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     model_export = commands.add_parser(
         "export", help="a run's checkpoint as a Hugging Face model folder with a model card"
     )
-    model_export.add_argument("run", help="the run folder (holding trainer/checkpoint_*/)")
+    model_export.add_argument("run", help="the run folder (holding trainer/step-*/)")
     model_export.add_argument("out", help="the folder to write (new or empty)")
     model_export.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest)")
     model_export.add_argument("--push-to-hub", metavar="REPO_ID", help="then upload it to this Hub model repo")

@@ -250,7 +250,7 @@ def check_two_node_run(cluster: Cluster, job_id: str, url: str, runs: Path) -> N
     assert ADMIN_KEY not in output  # the key came in a file
     metrics = lines(runs / "two-nodes" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2] and all(m["samples"] == 4 for m in metrics)
-    assert list((runs / "two-nodes" / "trainer").glob("checkpoint_*/model/config.json"))
+    assert list((runs / "two-nodes" / "trainer").glob("step-*/model/config.json"))
 
 
 def test_serve_run_of_the_serve_yaml_applies_its_replicas_resources_and_autoscaling(cluster, tmp_path, tiny_path):

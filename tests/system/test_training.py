@@ -213,7 +213,7 @@ def test_a_run_survives_a_killed_worker_and_ctrl_c_then_resumes_from_its_checkpo
     assert samples.count("| 4 | row-") == 2 and "Say something about" in samples
 
     # The latest checkpoint is a Hugging Face folder whose weights moved away from the start.
-    states = {p.parent: json.loads(p.read_text()) for p in run.glob("trainer/checkpoint_*/trainer_state.json")}
+    states = {p.parent: json.loads(p.read_text()) for p in run.glob("trainer/step-*/trainer_state.json")}
     latest = max(states, key=lambda p: states[p]["next_command"])
     assert states[latest]["version"] == 4
     trained = load_file(latest / "model" / "model.safetensors")

@@ -25,7 +25,8 @@ def trained(tmp_path, tiny_path):
     steps = [{"step": s, "reward_mean": s / 10, "samples": 8, "note": "x"} for s in (1, 2, 3, 4)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in steps))
     for step in (2, 4):
-        checkpoint = runs.checkpoints_dir(folder) / f"checkpoint_2026-12-02_0{step}"
+        name = runs.checkpoint_name(step) if step == 4 else f"checkpoint_2026-12-02_0{step}"  # as older runs named it
+        checkpoint = runs.checkpoints_dir(folder) / name
         shutil.copytree(tiny_path, checkpoint / "model")
         state = {"next_command": step, "version": step + 10, "driver": {"step": step, "buffer": {}}}
         (checkpoint / runs.STATE_FILE).write_text(json.dumps(state))
@@ -54,7 +55,7 @@ def test_a_step_is_chosen_by_number_and_a_missing_one_names_those_there_are(trai
     assert main(["export", str(trained), str(tmp_path / "two")]) == 2  # not over an earlier export
     assert "is not empty; export into a new folder" in capsys.readouterr().err
     assert main(["export", str(tmp_path), str(tmp_path / "none")]) == 2
-    assert "has no checkpoints (trainer/checkpoint_*/); set [training] save_every" in capsys.readouterr().err
+    assert "has no checkpoints (trainer/step-*/); set [training] save_every" in capsys.readouterr().err
 
 
 def test_a_push_the_hub_cannot_take_says_why_and_keeps_the_folder(trained, tmp_path, capsys, monkeypatch):

@@ -19,8 +19,9 @@ def test_a_run_at_the_root_is_the_rlgate_application():
 
 
 def test_checkpoint_states_are_read_from_the_runs_checkpoint_folder(tmp_path):
-    for step in (1, 2):
-        folder = run.checkpoints_dir(tmp_path) / f"checkpoint_{step:06d}"
+    assert run.checkpoint_name(20) == "step-000020"
+    for step in (1, 2):  # named by step, and as runs before step names were (Ray Train's time stamps)
+        folder = run.checkpoints_dir(tmp_path) / (run.checkpoint_name(step) if step == 2 else "checkpoint_2026-12-01")
         folder.mkdir(parents=True)
         (folder / run.STATE_FILE).write_text(json.dumps({"next_command": step, "driver": {"step": step}}))
     (run.checkpoints_dir(tmp_path) / "checkpoint_tmp").mkdir()  # unfinished: no state file
