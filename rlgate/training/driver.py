@@ -231,7 +231,11 @@ def start_tracking(config: RLGateConfig, run_dir: Path) -> Tracking:
     """The trackers ``[logging]`` asks for (SystemExit, saying which package, when one is missing)."""
     try:
         return Tracking.start(
-            config.logging, run_dir, config.gateway.run_name, config.model_dump(mode="json"), resolve_model(config)
+            config.logging,
+            run_dir,
+            config.gateway.run_name,
+            config.model_dump(mode="json"),
+            lambda: resolve_model(config),
         )
     except ImportError as err:
         raise SystemExit(f"rlgate: {err}") from None

@@ -123,7 +123,11 @@ class Tracking:
         self.trackers, self.decode, self.samples = trackers, decode, samples
 
     @classmethod
-    def start(cls, settings: LoggingConfig, run_dir: Path, run_name: str, config: dict, model_path: str) -> Tracking:
+    def start(
+        cls, settings: LoggingConfig, run_dir: Path, run_name: str, config: dict, model_path: Callable[[], str]
+    ) -> Tracking:
+        """The trackers ``settings`` ask for; ``model_path()`` (the tokenizer's folder) is
+        called only when samples are to be decoded."""
         trackers: list[Tracker] = []
         if settings.tensorboard:
             trackers.append(TensorBoardTracker(run_dir / "tensorboard"))
@@ -133,7 +137,7 @@ class Tracking:
         if trackers and settings.samples_per_step:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(model_path)
+            tokenizer = AutoTokenizer.from_pretrained(model_path())
             decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         return cls(trackers, decode, settings.samples_per_step)
 

@@ -43,7 +43,9 @@ def test_only_finite_numbers_are_plotted():
 
 def steps(folder, settings: dict, model_path, first: int = 0, last: int = 3) -> None:
     config = parse_config({"logging": settings})
-    tracking = Tracking.start(config.logging, folder, "tracked", config.model_dump(mode="json"), str(model_path))
+    tracking = Tracking.start(
+        config.logging, folder, "tracked", config.model_dump(mode="json"), lambda: str(model_path)
+    )
     assert tracking.decode([]) == ""  # the model's tokenizer; these records' ids are made up, so:
     tracking.decode = decode
     log = RunLog(folder, last, first, show=False, tracking=tracking)
@@ -97,7 +99,7 @@ def test_a_missing_tracker_package_is_said_by_name(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", without_wandb)
     config = parse_config({"logging": {"wandb": True}})
     with pytest.raises(ImportError, match=r"\[logging\] wandb needs the wandb package: pip install wandb"):
-        Tracking.start(config.logging, tmp_path, "run", {}, "unused")
+        Tracking.start(config.logging, tmp_path, "run", {}, lambda: "unused")
 
 
 def test_logging_settings_are_checked():
