@@ -9,7 +9,7 @@
     rlgate jobs list | status ID | events ID | cancel ID
     rlgate session start --task-id T | reward --key K R | end --key K [--failed]
     rlgate trajectories export RUN --out FILE [--format parquet|jsonl] [--model NAME]
-    rlgate export RUN OUT [--step N] [--push-to-hub REPO_ID]  a checkpoint as a Hugging Face model folder
+    rlgate export RUN OUT [--step N] [--push-to-hub REPO_ID [--public]]  a checkpoint as a model folder
 
 The HTTP commands talk to ``--backend`` (default ``$RLGATE_URL``, else
 http://127.0.0.1:8000; for ``train``, no gateway means training here) with
@@ -114,6 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     model_export.add_argument("out", help="the folder to write (new or empty)")
     model_export.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest)")
     model_export.add_argument("--push-to-hub", metavar="REPO_ID", help="then upload it to this Hub model repo")
+    model_export.add_argument("--public", action="store_true", help="with --push-to-hub: a new repo is public")
     return parser
 
 
@@ -178,7 +179,7 @@ def _export_model(args) -> int:
     out, step = export_model(args.run, args.out, args.step)
     print(f"rlgate: step {step} of {args.run} -> {out} (README.md is its model card)")
     if args.push_to_hub:
-        print(f"rlgate: pushed to {push_to_hub(out, args.push_to_hub)}")
+        print(f"rlgate: pushed to {push_to_hub(out, args.push_to_hub, args.public)}")
     return 0
 
 

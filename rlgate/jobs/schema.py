@@ -156,11 +156,16 @@ def _job_config(request: JobRequest) -> tuple[RLGateConfig, list[str]]:
     model = data.model or data.base_model
     if model:
         config.model.name = model
-    if config.task.reward is not None:  # code named by whoever submits, run by the cluster
+    if config.task.reward is not None or config.task.dataset is not None:  # code and files of the cluster's
         raise ConfigError(
-            f"{source}: task.reward: a job over HTTP cannot name code for the cluster to import; "
-            "serve the dataset and its reward from a task app (rlgate.sdk.taskapp), "
+            f"{source}: task.dataset / task.reward: a job over HTTP cannot name files or code for the cluster "
+            "to read and import; serve the dataset and its reward from a task app (rlgate.sdk.taskapp), "
             "or train it with `rlgate train` or `ray job submit`"
+        )
+    if config.logging.wandb:  # it would log in with the cluster's WANDB_API_KEY and send the run's text out
+        raise ConfigError(
+            f"{source}: logging.wandb: a job over HTTP cannot log to W&B with the cluster's credentials; "
+            "use [logging] tensorboard (the files stay in the job's folder)"
         )
     if config.services.task_url is None and config.task.builtin is None:
         raise ConfigError(

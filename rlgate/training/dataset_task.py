@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import math
 import random
 import sys
 from collections.abc import Callable
@@ -56,11 +57,15 @@ class DatasetTask:
 
     def reward(self, problem: Problem, reply: str) -> float:
         value = self.score(reply, problem.row, problem.messages)
-        if isinstance(value, bool):
-            return float(value)
-        if not isinstance(value, int | float):
+        try:  # a bool, int, float, or numpy / torch scalar; not text
+            number = float(value) if not isinstance(value, str | bytes) else None
+        except (TypeError, ValueError):
+            number = None
+        if number is None:
             raise TypeError(f"the reward function returned {type(value).__name__}, not a number")
-        return float(value)
+        if not math.isfinite(number):
+            raise ValueError(f"the reward function returned {number}")
+        return number
 
 
 def messages_of(prompt: Any, where: str) -> list[dict]:
@@ -124,14 +129,19 @@ def load_function(spec: str) -> Callable[..., Any]:
     """``module:function`` (importable, or from the working directory) or ``file.py:function``."""
     where, _, name = spec.rpartition(":")
     if where.endswith(".py"):
-        path = Path(where)
+        path = Path(where).resolve()
         if not path.is_file():
             raise DatasetError(f"{spec}: no such file {where}")
-        found = importlib.util.spec_from_file_location(f"rlgate_reward_{path.stem}", path)
+        module_name = f"rlgate_reward_{path.stem}"
+        found = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(found)
+        sys.modules[module_name] = module  # as an import would: dataclasses and pickling look it up there
+        if str(path.parent) not in sys.path:
+            sys.path.append(str(path.parent))  # its own imports of files beside it
         try:
             found.loader.exec_module(module)
         except Exception as err:
+            del sys.modules[module_name]
             raise DatasetError(f"{spec}: {where} failed to load: {err.__class__.__name__}: {err}") from None
     else:
         if str(Path.cwd()) not in sys.path and "" not in sys.path:
@@ -139,9 +149,10 @@ def load_function(spec: str) -> Callable[..., Any]:
         try:
             module = importlib.import_module(where)
         except ModuleNotFoundError as err:
-            raise DatasetError(
-                f"{spec}: no module {err.name!r} (run from its folder, or give file.py:function)"
-            ) from None
+            if err.name is not None and (where == err.name or where.startswith(err.name + ".")):
+                hint = "run from its folder, or give file.py:function"
+                raise DatasetError(f"{spec}: no module {err.name!r} ({hint})") from None
+            raise DatasetError(f"{spec}: {where} failed to import: {err}") from None
         except Exception as err:
             raise DatasetError(f"{spec}: {where} failed to import: {err.__class__.__name__}: {err}") from None
     function = getattr(module, name, None)

@@ -74,7 +74,7 @@ def main() -> int:
         config.model.name = str(start.weights)
     if start.buffer is None:  # a fresh run trains on episodes that finish from now on, the first included
         start.buffer = {"watermark": last_seq(run_dir / "trajectories"), "done_above": []}
-    tracking = start_tracking(config, run_dir)  # [logging]: a missing package fails the run here
+    tracking = start_tracking(config, run_dir, start.step, args.resume)  # [logging]: fails the run here if it must
     ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE)
     # before anything starts: a bad task app fails the run at once
     task_app = check_task_app(config, task_app_key(args.job_manager, config.gateway.run_name))
@@ -87,7 +87,7 @@ def main() -> int:
     trainer = start_trainer(config, gpus, run_dir, start.first_command)
     admit_under_the_rule(config, start.version)  # before any episode starts
     stopping = threading.Event()
-    episodes = start_episodes(config, url, key.value, stopping, task_app, dataset)
+    episodes = start_episodes(config, url, key.value, stopping, task_app, dataset, start.step)
     log = RunLog(run_dir, config.training.total_steps, start.step, tracking=tracking)
     progress = Progress(start.step, start.version)
     try:
@@ -144,6 +144,8 @@ def configured(args: argparse.Namespace) -> RLGateConfig:
             config.model.name = args.model
     except (ConfigError, ValidationError) as err:
         raise SystemExit(f"rlgate: {err}") from None
+    if config.task.dataset is not None and config.services.task_url is not None:  # --task-app over a dataset
+        raise SystemExit("rlgate: set one of [task] dataset and --task-app ([services] task_url), not both")
     return config
 
 
@@ -227,8 +229,8 @@ def train(config: RLGateConfig, buffer_state: dict, progress: Progress, trainer,
         log.batch(step, [r["seq"] for r in records])
 
 
-def start_tracking(config: RLGateConfig, run_dir: Path) -> Tracking:
-    """The trackers ``[logging]`` asks for (SystemExit, saying which package, when one is missing)."""
+def start_tracking(config: RLGateConfig, run_dir: Path, first_step: int, resumed: bool) -> Tracking:
+    """The trackers ``[logging]`` asks for (SystemExit, saying why, when one cannot start)."""
     try:
         return Tracking.start(
             config.logging,
@@ -236,9 +238,13 @@ def start_tracking(config: RLGateConfig, run_dir: Path) -> Tracking:
             config.gateway.run_name,
             config.model_dump(mode="json"),
             lambda: resolve_model(config),
+            first_step,
+            resumed,
         )
     except ImportError as err:
         raise SystemExit(f"rlgate: {err}") from None
+    except Exception as err:  # e.g. wandb online without a key, or an entity it may not write to
+        raise SystemExit(f"rlgate: [logging] a tracker could not start: {err.__class__.__name__}: {err}") from None
 
 
 def admit_under_the_rule(config: RLGateConfig, version: int) -> None:
@@ -391,10 +397,12 @@ def start_episodes(
     stopping: threading.Event,
     task_app: TaskAppClient | None,
     dataset: DatasetTask | None = None,
+    first_step: int = 0,
 ) -> Episodes | None:
     """Play the task app, the dataset or the built-in task, if one is configured;
     else wait for external agents (online mode). Sets ``stopping`` if the
-    environment stays down."""
+    environment stays down. A resumed run (``first_step`` > 0) draws its problems
+    in an order of its own, not the stopped run's again."""
     task = config.task
     if task_app is not None:
         groups, run = task_app_episodes(task_app, config, config.served_model_name, config.gateway.run_name)
@@ -404,7 +412,7 @@ def start_episodes(
             url,
             task.max_tokens,
             task.temperature,
-            config.training.seed,
+            config.training.seed + first_step,
             task.env_delay_s,
         )
     else:

@@ -178,7 +178,7 @@ def builtin_episodes(
 
     rng = random.Random(seed)
 
-    player = secrets.token_hex(2)  # this driver's: a resumed run's groups never join the earlier run's
+    player = secrets.token_hex(4)  # this driver's: a resumed run's groups never join the earlier run's
 
     def groups() -> Iterator[tuple[str, Problem]]:
         for number in itertools.count():
@@ -193,7 +193,8 @@ def builtin_episodes(
             )
         if env_delay_s > 0:  # the environment's own time (tools, a simulator, a judge)
             await asyncio.sleep(rng.uniform(0, 2 * env_delay_s))
-        return task.reward(problem, reply.choices[0].message.content or "")
+        # in a thread: a slow scorer (a judge, a verifier) holds up no other episode
+        return await asyncio.to_thread(task.reward, problem, reply.choices[0].message.content or "")
 
     return groups(), run
 

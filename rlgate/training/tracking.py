@@ -3,13 +3,16 @@
 
 Each tracker is imported only when it is asked for (``pip install
 'rlgate[tracking]'`` brings both). A resumed run goes on in the same W&B run
-(its id is kept in the run folder) and the same TensorBoard folder. Samples are
-a few of each step's trajectories, decoded: the prompt, the completion, the
-reward.
+(its id is kept in the run folder) and the same TensorBoard folder, where the
+steps it trains again replace the stopped run's; a fresh run starts a new W&B
+run. Samples are a few of each step's trajectories, decoded: the prompt, the
+completion, the reward. A tracker that fails while the run trains is dropped
+with a warning: it never stops the training.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import secrets
@@ -20,6 +23,8 @@ from typing import Any, Protocol
 from rlgate.config import LoggingConfig
 
 SAMPLE_COLUMNS = ["step", "task_id", "reward", "prompt", "completion"]
+
+logger = logging.getLogger(__name__)
 
 
 class Tracker(Protocol):
@@ -40,12 +45,15 @@ def numeric(metrics: dict[str, Any]) -> dict[str, float]:
 class TensorBoardTracker:
     """Scalars under ``train/``, and the samples as a Markdown table, in ``<run>/tensorboard``."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, first_step: int) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise ImportError("[logging] tensorboard needs the tensorboard package: pip install tensorboard") from None
-        self.writer = SummaryWriter(str(folder))
+        # over an earlier writer's events, readers discard those from this step on: steps trained again
+        # (a resumed run's, or a fresh run's under the same name) replace them
+        earlier = folder.is_dir() and any(folder.glob("events.out.tfevents.*"))
+        self.writer = SummaryWriter(str(folder), purge_step=first_step + 1 if earlier else None)
 
     def log(self, step: int, metrics: dict[str, float], samples: list[list[Any]]) -> None:
         for name, value in metrics.items():
@@ -61,9 +69,11 @@ class TensorBoardTracker:
 class WandbTracker:
     """One W&B run per rlgate run (resumed with it), its config the run's; the
     samples as a ``wandb.Table`` per step. Offline unless ``WANDB_API_KEY`` is set
-    or ``[logging] wandb_mode`` says otherwise (``wandb sync`` uploads it later)."""
+    or ``[logging] wandb_mode`` says otherwise (``wandb sync`` uploads it later).
+    Charts are drawn against the ``step`` metric, not W&B's own step counter,
+    which would drop the steps a resumed run trains again."""
 
-    def __init__(self, settings: LoggingConfig, folder: Path, run_name: str, config: dict) -> None:
+    def __init__(self, settings: LoggingConfig, folder: Path, run_name: str, config: dict, resumed: bool) -> None:
         try:
             import wandb
         except ImportError:
@@ -71,7 +81,7 @@ class WandbTracker:
         self.wandb = wandb
         folder.mkdir(parents=True, exist_ok=True)
         id_file = folder / "run_id"
-        if not id_file.exists():
+        if not resumed or not id_file.exists():  # a fresh run under an old name is a new W&B run
             id_file.write_text(secrets.token_hex(6))  # W&B run ids are short lower-case strings
         mode = settings.wandb_mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         self.run = wandb.init(
@@ -84,12 +94,14 @@ class WandbTracker:
             mode=mode,
             config=config,
         )
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
 
     def log(self, step: int, metrics: dict[str, float], samples: list[list[Any]]) -> None:
         data: dict[str, Any] = dict(metrics)
         if samples:
             data["samples"] = self.wandb.Table(columns=SAMPLE_COLUMNS, data=samples)
-        self.run.log(data, step=step)
+        self.run.log({**data, "step": step})
 
     def close(self) -> None:
         self.run.finish()
@@ -124,15 +136,23 @@ class Tracking:
 
     @classmethod
     def start(
-        cls, settings: LoggingConfig, run_dir: Path, run_name: str, config: dict, model_path: Callable[[], str]
+        cls,
+        settings: LoggingConfig,
+        run_dir: Path,
+        run_name: str,
+        config: dict,
+        model_path: Callable[[], str],
+        first_step: int = 0,
+        resumed: bool = False,
     ) -> Tracking:
-        """The trackers ``settings`` ask for; ``model_path()`` (the tokenizer's folder) is
-        called only when samples are to be decoded."""
+        """The trackers ``settings`` ask for, going on from ``first_step``;
+        ``model_path()`` (the tokenizer's folder) is called only when samples are
+        to be decoded. ImportError names a missing package."""
         trackers: list[Tracker] = []
         if settings.tensorboard:
-            trackers.append(TensorBoardTracker(run_dir / "tensorboard"))
+            trackers.append(TensorBoardTracker(run_dir / "tensorboard", first_step))
         if settings.wandb:
-            trackers.append(WandbTracker(settings, run_dir / "wandb", run_name, config))
+            trackers.append(WandbTracker(settings, run_dir / "wandb", run_name, config, resumed))
         decode = None
         if trackers and settings.samples_per_step:
             from transformers import AutoTokenizer
@@ -145,9 +165,23 @@ class Tracking:
         if not self.trackers:
             return
         samples = sample_rows(step, records, self.decode, self.samples) if self.decode else []
-        for tracker in self.trackers:
-            tracker.log(step, numeric(metrics), samples)
+        for tracker in list(self.trackers):
+            self._guarded(tracker, "log", lambda t=tracker: t.log(step, numeric(metrics), samples))
 
     def close(self) -> None:
-        for tracker in self.trackers:
-            tracker.close()
+        for tracker in list(self.trackers):
+            self._guarded(tracker, "close", tracker.close)
+
+    def _guarded(self, tracker: Tracker, what: str, call: Callable[[], None]) -> None:
+        """A tracker that fails is dropped, said once; metrics.jsonl goes on."""
+        try:
+            call()
+        except Exception as err:
+            logger.warning(
+                "%s failed to %s (%s: %s); the run goes on without it",
+                type(tracker).__name__,
+                what,
+                err.__class__.__name__,
+                err,
+            )
+            self.trackers.remove(tracker)

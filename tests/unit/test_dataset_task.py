@@ -98,10 +98,20 @@ def test_prompts_become_chat_messages_and_the_reward_sees_the_row():
     assert seen[0] == (" 3", ROWS[0], text.messages)
 
 
-def test_a_reward_that_is_not_a_number_fails_the_episode_with_why():
-    task = DatasetTask(ROWS, "prompt", lambda completion, row, messages: "yes", "rows")
+def test_a_reward_that_is_not_a_finite_number_fails_the_episode_with_why():
+    import numpy as np
+
+    def task(value) -> DatasetTask:
+        return DatasetTask(ROWS, "prompt", lambda completion, row, messages: value, "rows")
+
+    problem = task(0).problem(random.Random(0))
+    assert task(np.float32(0.25)).reward(problem, "3") == 0.25 and task(np.bool_(True)).reward(problem, "3") == 1.0
     with pytest.raises(TypeError, match="returned str, not a number"):
-        task.reward(task.problem(random.Random(0)), "3")
+        task("1.0").reward(problem, "3")
+    with pytest.raises(TypeError, match="returned NoneType, not a number"):
+        task(None).reward(problem, "3")
+    with pytest.raises(ValueError, match="the reward function returned nan"):
+        task(float("nan")).reward(problem, "3")
 
 
 def test_a_missing_column_or_an_unusable_prompt_is_said_at_the_start():
@@ -127,6 +137,14 @@ def test_reward_functions_load_from_a_module_or_a_file(tmp_path, monkeypatch):
         load_function("no_such_rewards:exact")
     with pytest.raises(DatasetError, match="no such file"):
         load_function(f"{tmp_path / 'absent.py'}:exact")
+    (tmp_path / "needs.py").write_text("import not_installed_anywhere\n")  # the module is found, its import is not
+    with pytest.raises(DatasetError, match="needs:f: needs failed to import: No module named 'not_installed_anywhere'"):
+        load_function("needs:f")
+    (tmp_path / "typed.py").write_text(  # a dataclass needs its module in sys.modules, as an import would have it
+        "from dataclasses import dataclass\n@dataclass\nclass Score:\n    value: float\n"
+        "def score(completion, row, messages):\n    return Score(1.0).value\n"
+    )
+    assert load_function(f"{tmp_path / 'typed.py'}:score")("", {}, []) == 1.0
     (tmp_path / "broken.py").write_text("raise RuntimeError('no luck')\n")
     with pytest.raises(DatasetError, match="broken.py failed to load: RuntimeError: no luck"):
         load_function(f"{tmp_path / 'broken.py'}:exact")

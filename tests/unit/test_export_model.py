@@ -42,7 +42,8 @@ def test_the_latest_checkpoint_exports_as_a_loadable_model_with_a_card(trained, 
     card = (out / "README.md").read_text()
     header, body = card.split("---\n")[1], card.split("---\n", 2)[2]
     assert "library_name: transformers" in header and "base_model: org/base-model" in header and "- rlgate" in header
-    assert "# arith, step 4" in body and "dapo, 8 episodes per step" in body and "policy version 14" in body
+    assert "# arith, step 4" in body and "dapo with the ppo_clip loss, 8 episodes per step" in body
+    assert "policy version 14" in body
     assert "| reward_mean | 0.4 |" in body and "note" not in body
 
 
@@ -53,7 +54,15 @@ def test_a_step_is_chosen_by_number_and_a_missing_one_names_those_there_are(trai
     assert main(["export", str(trained), str(tmp_path / "three"), "--step", "3"]) == 2
     assert "has no checkpoint at step 3; it has steps 2, 4" in capsys.readouterr().err
     assert main(["export", str(trained), str(tmp_path / "two")]) == 2  # not over an earlier export
-    assert "is not empty; export into a new folder" in capsys.readouterr().err
+    assert "is not an empty folder; export into a new one" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert main(["export", str(trained), str(tmp_path / "file")]) == 2
+    assert "file is not an empty folder" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "typo"), str(tmp_path / "out")]) == 2
+    assert f"rlgate: error: no run folder {tmp_path / 'typo'}" in capsys.readouterr().err
+    shutil.rmtree(runs.checkpoints_dir(trained) / runs.checkpoint_name(4) / "model")
+    assert main(["export", str(trained), str(tmp_path / "four")]) == 2
+    assert "holds no model/ (an unfinished checkpoint?); choose another --step" in capsys.readouterr().err
     assert main(["export", str(tmp_path), str(tmp_path / "none")]) == 2
     assert "has no checkpoints (trainer/step-*/); set [training] save_every" in capsys.readouterr().err
 

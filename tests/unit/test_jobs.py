@@ -65,7 +65,11 @@ def test_native_payloads_toml_or_json():
         ({"data": {"config": {**SYNTH, "training": {"lora": True}}}}, "training.lora"),
         (  # a reward function is code the cluster would import for whoever submits
             {"config": {"task": {"dataset": "rows.jsonl", "reward": "os:system"}}},
-            "task.reward: a job over HTTP cannot name code for the cluster to import",
+            "task.dataset / task.reward: a job over HTTP cannot name files or code for the cluster",
+        ),
+        (
+            {"config": {"task": {"builtin": "vowels"}, "logging": {"wandb": True}}},
+            "logging.wandb: a job over HTTP cannot log to W&B with the cluster's credentials",
         ),
     ],
 )

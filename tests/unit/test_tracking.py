@@ -41,16 +41,17 @@ def test_only_finite_numbers_are_plotted():
     }
 
 
-def steps(folder, settings: dict, model_path, first: int = 0, last: int = 3) -> None:
+def steps(folder, settings: dict, model_path, first: int = 0, last: int = 3, scale: float = 10) -> None:
+    """A run's steps ``first + 1 .. last`` (reward step / scale); ``first`` > 0: a resumed run."""
     config = parse_config({"logging": settings})
     tracking = Tracking.start(
-        config.logging, folder, "tracked", config.model_dump(mode="json"), lambda: str(model_path)
+        config.logging, folder, "tracked", config.model_dump(mode="json"), lambda: str(model_path), first, first > 0
     )
     assert tracking.decode([]) == ""  # the model's tokenizer; these records' ids are made up, so:
     tracking.decode = decode
     log = RunLog(folder, last, first, show=False, tracking=tracking)
     for step in range(first + 1, last + 1):
-        log.log(step, {"reward_mean": step / 10, "loss": -step, "note": "text"}, RECORDS)
+        log.log(step, {"reward_mean": step / scale, "loss": -step, "note": "text"}, RECORDS)
     log.close()
 
 
@@ -58,15 +59,20 @@ def test_tensorboard_event_files_hold_every_step_and_the_samples(tmp_path, tiny_
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     steps(tmp_path, {"tensorboard": True, "samples_per_step": 2}, tiny_path)
-    steps(tmp_path, {"tensorboard": True, "samples_per_step": 2}, tiny_path, first=3, last=4)  # resumed: goes on
+    # resumed from a checkpoint at step 1: steps 2 and 3 are trained again, and replace the first ones
+    steps(tmp_path, {"tensorboard": True, "samples_per_step": 2}, tiny_path, first=1, last=4, scale=100)
     events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
     rewards = [(e.step, round(e.value, 6)) for e in events.Scalars("train/reward_mean")]
-    assert rewards == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)]
+    assert rewards == [(1, 0.1), (2, 0.02), (3, 0.03), (4, 0.04)]
     assert "train/note" not in events.Tags()["scalars"]
     [text] = {t for t in events.Tags()["tensors"] if t.startswith("samples")}
     last = events.Tensors(text)[-1]
     assert last.step == 4 and "| 4 | row-2.1 | 0.5 | t1 | t5 t6 |" in last.tensor_proto.string_val[0].decode()
+    steps(tmp_path, {"tensorboard": True}, tiny_path, last=2, scale=1000)  # a fresh run under the same name
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("train/reward_mean")] == [(1, 0.001), (2, 0.002)]
     assert len(json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])) == 5  # the record of truth
 
 
@@ -74,16 +80,48 @@ def test_wandb_offline_runs_go_on_as_one_run_with_a_samples_table_per_step(tmp_p
     monkeypatch.delenv("WANDB_API_KEY", raising=False)  # no key: offline, synced later with `wandb sync`
     monkeypatch.setenv("WANDB_SILENT", "true")
     steps(tmp_path, {"wandb": True, "wandb_project": "rlgate-tests"}, tiny_path)
+    first_id = (tmp_path / "wandb" / "run_id").read_text()
     steps(tmp_path, {"wandb": True, "wandb_project": "rlgate-tests"}, tiny_path, first=3, last=4)
     runs = sorted((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
     run_id = (tmp_path / "wandb" / "run_id").read_text()
-    assert len(runs) == 2 and all(r.name.endswith(run_id) for r in runs)  # one W&B run, resumed
+    assert run_id == first_id and len(runs) == 2 and all(r.name.endswith(run_id) for r in runs)  # one, resumed
     tables = [sorted((r / "files" / "media" / "table").glob("samples_*.table.json")) for r in runs]
     assert [len(t) for t in tables] == [3, 1]  # a table per step
     last = json.loads(tables[1][0].read_text())
     assert last["columns"] == SAMPLE_COLUMNS and last["data"][1] == [4, "row-2.1", 0.5, "t1", "t5 t6"]
     log = (runs[1] / f"run-{run_id}.wandb").read_bytes()  # W&B's own record of the run, to sync
     assert b"reward_mean" in log and b"rlgate-tests" in log and b"samples_per_step" in log
+    steps(tmp_path, {"wandb": True, "wandb_project": "rlgate-tests"}, tiny_path)  # a fresh run of the same name
+    assert (tmp_path / "wandb" / "run_id").read_text() != run_id  # is a W&B run of its own
+
+
+def test_a_tracker_that_fails_mid_run_is_dropped_and_the_run_goes_on(tmp_path, caplog):
+    class Broken:
+        def log(self, step, metrics, samples):
+            raise OSError("disk full")
+
+        def close(self):
+            raise AssertionError("a dropped tracker is not closed")
+
+    class Kept:
+        def __init__(self):
+            self.seen = []
+
+        def log(self, step, metrics, samples):
+            self.seen.append(step)
+
+        def close(self):
+            self.seen.append("closed")
+
+    kept = Kept()
+    log = RunLog(tmp_path, 2, show=False, tracking=Tracking([Broken(), kept], None, 0))
+    log.log(1, {"reward_mean": 0.5}, RECORDS)
+    log.log(2, {"reward_mean": 0.6}, RECORDS)
+    log.close()
+    assert kept.seen == [1, 2, "closed"] and len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    assert [r.getMessage() for r in caplog.records if "Broken" in r.getMessage()] == [
+        "Broken failed to log (OSError: disk full); the run goes on without it"
+    ]
 
 
 def test_a_missing_tracker_package_is_said_by_name(tmp_path, monkeypatch):
