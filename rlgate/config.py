@@ -389,7 +389,8 @@ class TaskConfig(_Section):
     dataset: str | None = Field(
         None,
         description="Play the prompts of a dataset through the gateway (train_driver's own agent loop): "
-        "a .jsonl or .parquet file, or a dataset name in the local Hugging Face cache; needs [task] reward.",
+        "a .jsonl or .parquet file, or a dataset name (datasets.load_dataset: its cache, or the Hub); "
+        "needs [task] reward.",
     )
     dataset_split: str = Field("train", min_length=1, description="Dataset by name: the split to read.")
     prompt_column: str = Field(

@@ -1,7 +1,7 @@
 """Prompts from a dataset and a reward function, played as a built-in task.
 
 What users coming from TRL or verl try first: ``[task] dataset`` (a ``.jsonl``
-or ``.parquet`` file, or a dataset name in the local Hugging Face cache) with a
+or ``.parquet`` file, or a dataset name ``datasets.load_dataset`` knows) with a
 prompt column, and ``[task] reward = "module:function"`` (or
 ``"file.py:function"``), called as ``function(completion, row, messages)`` with
 the reply's text, the dataset row (a dict) and the prompt's chat messages. The
@@ -84,7 +84,7 @@ def messages_of(prompt: Any, where: str) -> list[dict]:
 
 def load_rows(source: str, split: str = "train") -> list[dict]:
     """The rows of a ``.jsonl`` / ``.parquet`` file, or of a dataset by name: a
-    folder, or a Hub name in the local Hugging Face cache (``datasets`` reads those)."""
+    folder, or a Hub name, read by ``datasets`` from its cache, or downloaded when the Hub is reachable)."""
     path = Path(source)
     if path.suffix == ".jsonl":
         return _jsonl(path)
