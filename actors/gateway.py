@@ -157,7 +157,14 @@ class Gateway:
         self.slot, peers = Slot(replica.rank.rank, settings.rollout.replicas), None
         if self.slot.replicas > 1:
             peers = Peers(partial(serve.get_deployment_handle, "Gateway", app_name=replica.app_name), self.slot)
-        self.engine = make_engine(model_path, settings.rollout, settings.model.dtype, initial_version)
+        self.engine = make_engine(
+            model_path,
+            settings.rollout,
+            settings.model.dtype,
+            initial_version,
+            settings.training.lora,
+            settings.model.adapter,
+        )
         await self.engine.ready()
         policy = get_or_create_policy_store(
             actor_name(gateway.run_name, "policy"),

@@ -36,7 +36,14 @@ from rlgate.run import NAMESPACE, actor_name
 class RolloutServer:
     async def __init__(self, config: dict, model_path: str, initial_version: int = 0) -> None:
         settings = RLGateConfig.model_validate(config)
-        self.engine: Engine = make_engine(model_path, settings.rollout, settings.model.dtype, initial_version)
+        self.engine: Engine = make_engine(
+            model_path,
+            settings.rollout,
+            settings.model.dtype,
+            initial_version,
+            settings.training.lora,
+            settings.model.adapter,
+        )
         self.request_log = RequestLog(settings.rollout.request_log_size)
         await self.engine.ready()
         self.replica = serve.get_replica_context().replica_id.unique_id

@@ -9,7 +9,10 @@ training step on a batch (every worker takes its share of the rows), and
 optionally a checkpoint. After a step, rank 0 publishes the new weights to
 the PolicyStore, from which every RolloutServer replica loads them.
 Owns: the policy model, its optimizer, and a frozen reference when
-``[algorithm] kl_coef`` > 0. A worker restarted by Ray Train resumes from the
+``[algorithm] kl_coef`` > 0. With ``[training.lora]`` the model is the base
+with a trainable PEFT adapter; rank 0 publishes the adapter alone
+(:class:`rlgate.rollout.lora.Adapter`), and the KL reference is the same
+model with its adapter switched off. A worker restarted by Ray Train resumes from the
 latest checkpoint: weights, optimizer, and the next command to run.
 """
 
@@ -29,7 +32,18 @@ from ray.train import Checkpoint
 
 from rlgate.actors.policy_store import Republisher
 from rlgate.config import RLGateConfig
-from rlgate.run import CHECKPOINTS, NAMESPACE, STATE_FILE, checkpoint_name, checkpoint_states, checkpoints_dir
+from rlgate.rollout import lora
+from rlgate.run import (
+    ADAPTER,
+    CHECKPOINTS,
+    MERGED,
+    MODEL,
+    NAMESPACE,
+    STATE_FILE,
+    checkpoint_name,
+    checkpoint_states,
+    checkpoints_dir,
+)
 from rlgate.training.grpo import LossConfig
 from rlgate.training.loop import surviving
 from rlgate.training.policy_step import PolicyTrainer, StepSettings, collate, shard
@@ -69,20 +83,30 @@ def train_worker(setup: dict) -> None:
     tokenizer = AutoTokenizer.from_pretrained(setup["model_path"])
     pad_id = tokenizer.pad_token_id or 0
 
-    index, optimizer_state = 0, None
+    index, optimizer_state, adapting = 0, None, settings.training.lora
     with _resume_from(ray.train.get_checkpoint(), ray.get(channel.first_held.remote()), setup) as folder:
         if folder is None:
             model = AutoModelForCausalLM.from_pretrained(setup["model_path"], dtype=torch.float32)
+            if adapting is not None:
+                model = lora.attach(model, adapting, settings.model.adapter)
         else:  # a restart after a failure, or --resume
             index = json.loads((folder / STATE_FILE).read_text())["next_command"]
-            model = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32)
+            if adapting is not None:  # the base model and the checkpoint's adapter
+                base = AutoModelForCausalLM.from_pretrained(setup["model_path"], dtype=torch.float32)
+                model = lora.attach(base, adapting, folder / ADAPTER)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(folder / MODEL, dtype=torch.float32)
             optimizer_state = torch.load(folder / "optimizer.pt", weights_only=True)
     reference = None
-    if settings.algorithm.kl_coef > 0:
+    if settings.algorithm.kl_coef > 0 and adapting is not None:
+        reference = lora.WithoutAdapter(model)  # the base under the adapter: no second copy
+    elif settings.algorithm.kl_coef > 0:
         reference = AutoModelForCausalLM.from_pretrained(setup["model_path"], dtype=torch.float32).eval()
     model = ray.train.torch.prepare_model(model)
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=settings.training.learning_rate, weight_decay=settings.training.weight_decay
+        [p for p in model.parameters() if p.requires_grad],
+        lr=settings.training.learning_rate,
+        weight_decay=settings.training.weight_decay,
     )
     if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)
@@ -97,7 +121,10 @@ def train_worker(setup: dict) -> None:
         metrics = trainer.step(batch, command["version"], command["normaliser"], scale=float(world))
         new_version = command["version"] + 1
         if rank == 0:
-            weights = {name: tensor.detach().cpu() for name, tensor in plain.state_dict().items()}
+            if adapting is not None:
+                weights = lora.adapter_of(plain)
+            else:
+                weights = {name: tensor.detach().cpu() for name, tensor in plain.state_dict().items()}
             published = surviving(lambda: policy.status.remote(), "the published version")["version"]
             if new_version > published:  # a restarted worker repeats steps after its checkpoint
                 ref = [ray.put(weights)]
@@ -106,7 +133,7 @@ def train_worker(setup: dict) -> None:
                 republisher.published(new_version, ref)  # kept: a restarted store gets it again
         # Every step's metrics go to Ray Train (a collective: every worker reports), with a checkpoint when due.
         save = (plain, tokenizer, optimizer, index + 1, command.get("driver_state")) if command.get("save") else None
-        _report(metrics, new_version, rank, save)
+        _report(metrics, new_version, rank, save, adapting is not None and adapting.save_merged)
         ray.get(channel.done.remote(index, rank, metrics))
         index += 1
 
@@ -139,10 +166,11 @@ def _quiet_reports() -> None:
     context.logger.setLevel(logging.WARNING)
 
 
-def _report(metrics: dict, version: int, rank: int, save: tuple | None) -> None:
+def _report(metrics: dict, version: int, rank: int, save: tuple | None, merged: bool = False) -> None:
     """``ray.train.report`` the step's metrics; with ``save``, also a checkpoint:
     the model in Hugging Face format (loadable by transformers and vLLM), the
-    optimizer, and where to resume."""
+    optimizer, and where to resume. A LoRA model saves its adapter alone, in
+    PEFT format, in ``adapter/`` (and with ``merged``, base + adapter in ``merged/``)."""
     if save is None:
         ray.train.report({**metrics, "version": version})
         return
@@ -150,8 +178,13 @@ def _report(metrics: dict, version: int, rank: int, save: tuple | None) -> None:
     with tempfile.TemporaryDirectory(prefix="rlgate-checkpoint-") as folder:
         checkpoint = None
         if rank == 0:
-            model.save_pretrained(Path(folder) / "model", safe_serialization=True)
-            tokenizer.save_pretrained(Path(folder) / "model")
+            if hasattr(model, "peft_config"):
+                model.save_pretrained(Path(folder) / ADAPTER)
+                if merged:
+                    _save_merged(model, tokenizer, Path(folder) / MERGED)
+            else:
+                model.save_pretrained(Path(folder) / MODEL, safe_serialization=True)
+                tokenizer.save_pretrained(Path(folder) / MODEL)
             torch.save(optimizer.state_dict(), Path(folder) / "optimizer.pt")
             state = {"next_command": next_command, "version": version, "driver": driver_state}
             (Path(folder) / STATE_FILE).write_text(json.dumps(state))
@@ -160,6 +193,14 @@ def _report(metrics: dict, version: int, rank: int, save: tuple | None) -> None:
         ray.train.report(
             {**metrics, "version": version}, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_name(step)
         )
+
+
+def _save_merged(model, tokenizer, folder: Path) -> None:
+    """Base + adapter as one Hugging Face model at ``folder`` (the training model is left as it is)."""
+    import copy
+
+    copy.deepcopy(model).merge_and_unload().save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
 
 
 class TrainerWorkers:

@@ -34,6 +34,12 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights dtype in the engines; float32 on CPU gives exact logprob parity."
     )
+    adapter: str | None = Field(
+        None,
+        min_length=1,
+        description="A LoRA adapter folder (PEFT format) over the model: the engines serve it and, with "
+        "[training.lora], the trainer trains on from it (--resume sets it to the checkpoint's adapter).",
+    )
 
 
 class RolloutConfig(_Section):
@@ -51,6 +57,13 @@ class RolloutConfig(_Section):
     )
     kv_cache_gib: float = Field(1.0, gt=0, le=1024, description="vLLM on CPU: KV-cache size in GiB.")
     max_batch_size: int = Field(64, ge=1, le=4096, description="HF engine: most sequences decoded together.")
+    max_loras: int = Field(
+        4,
+        ge=2,
+        le=64,
+        description="vLLM with [training.lora]: adapters one batch may mix (requests finishing on an older "
+        "version beside new ones); more wait their turn.",
+    )
     max_ongoing_requests: int = Field(
         512, ge=1, le=100_000, description="Requests one replica's engine works on at once; more wait in a queue."
     )
@@ -270,6 +283,31 @@ class AlgorithmConfig(_Section):
         return ResolvedAlgorithm(**settings)
 
 
+# vLLM's supported LoRA ranks; an engine's slots are sized to the next one up.
+LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class LoraSettings(_Section):
+    """``[training.lora]``: train a PEFT LoRA adapter instead of every weight."""
+
+    rank: int = Field(16, ge=1, le=LORA_RANKS[-1], description="LoRA rank r.")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha; updates are scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input while training.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description='Module names (or suffixes) to adapt, e.g. ["q_proj", "v_proj"]; "all-linear": every linear '
+        "layer but the output head.",
+    )
+    save_merged: bool = Field(
+        False, description="Checkpoints also hold the merged model (base + adapter) in merged/, for serving alone."
+    )
+
+    @property
+    def engine_rank(self) -> int:
+        """The rank an engine's adapter slots are sized for (vLLM's next supported rank)."""
+        return next(rank for rank in LORA_RANKS if rank >= self.rank)
+
+
 class TrainingConfig(_Section):
     batch_size: int = Field(8, ge=1, le=100_000, description="Episodes (sessions) per optimizer step.")
     group_size: int = Field(4, ge=1, le=1024, description="Episodes of the same task_id compared with each other.")
@@ -294,6 +332,11 @@ class TrainingConfig(_Section):
         3,
         ge=-1,
         description="Trainer worker-group failures Ray Train recovers from (from the last checkpoint); -1 any.",
+    )
+    lora: LoraSettings | None = Field(
+        None,
+        description="Train a LoRA adapter (pushed to the engines as an adapter, no full-weight sync); "
+        "unset: full fine-tuning.",
     )
 
     @model_validator(mode="after")

@@ -37,6 +37,14 @@ ROLES = ("sessions", "trajectories", "capacity", "policy", "train")  # what a fi
 INHERITED_STATE = ("policy", "capacity", "sessions")
 CHECKPOINTS = "trainer"  # <run folder>/trainer/step-000020/ (runs before step names: checkpoint_<time>/)
 STATE_FILE = "trainer_state.json"
+# In a checkpoint beside STATE_FILE: model/ (full fine-tuning: the whole model), or with LoRA
+# adapter/ (the adapter in PEFT format) and, with [training.lora] save_merged, merged/ (base + adapter).
+MODEL, ADAPTER, MERGED = "model", "adapter", "merged"
+
+
+def checkpoint_weights(folder: Path) -> Path:
+    """A checkpoint's trained weights: its ``adapter/`` (LoRA), else its ``model/``."""
+    return folder / ADAPTER if (folder / ADAPTER).is_dir() else folder / MODEL
 
 
 def actor_name(run: str, role: str) -> str:

@@ -4,7 +4,9 @@ folder with a model card, ready for ``from_pretrained``, vLLM, or the Hub.
 The checkpoints a run keeps (``trainer/step-<step>/``, :mod:`rlgate.run`) hold
 the model, the optimizer and where to resume; an export copies the model (and
 its tokenizer) and writes ``README.md``: what it was trained from, with what,
-and the step's metrics from ``metrics.jsonl``.
+and the step's metrics from ``metrics.jsonl``. A LoRA run's export is its
+adapter (PEFT format, loaded over the base model), or with ``--merged`` the
+merged model its checkpoints keep with ``[training.lora] save_merged``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import shutil
 import tomllib
 from pathlib import Path
 
-from rlgate.run import checkpoint_states, checkpoints_dir
+from rlgate.run import ADAPTER, MERGED, MODEL, checkpoint_states, checkpoints_dir
 
 
 def checkpoint_at(run: str | Path, step: int | None = None) -> tuple[Path, int, dict]:
@@ -32,7 +34,7 @@ def checkpoint_at(run: str | Path, step: int | None = None) -> tuple[Path, int, 
     return folder, chosen, state
 
 
-def model_card(run: Path, step: int, state: dict) -> str:
+def model_card(run: Path, step: int, state: dict, adapter: bool = False) -> str:
     """README.md for the exported folder: the Hub's metadata header, then the run's story."""
     config = tomllib.loads((run / "config.toml").read_text()) if (run / "config.toml").is_file() else {}
     base = config.get("model", {}).get("name", "unknown")
@@ -50,17 +52,28 @@ def model_card(run: Path, step: int, state: dict) -> str:
         lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
         metrics = next((m for m in reversed(lines) if m.get("step") == step), {})
     algorithm, training = config.get("algorithm", {}), config.get("training", {})
-    header = ["---", "library_name: transformers", "tags:", "- rlgate", "- reinforcement-learning"]
+    library = "peft" if adapter else "transformers"
+    header = ["---", f"library_name: {library}", "tags:", "- rlgate", "- reinforcement-learning"]
     if "/" in base:  # a Hub id, not a built-in name or a local folder
         header += [f"base_model: {base}"]
     shown = ("reward_mean", "samples", "staleness", "train_loss", "train_grad_norm", "train_logprob_mismatch_max")
     rows = [f"| {name} | {metrics[name]:.4g} |" for name in shown if isinstance(metrics.get(name), int | float)]
+    what = f"Trained with rlgate from `{base}`"
+    load = ['model = AutoModelForCausalLM.from_pretrained("<this folder or repo>")']
+    if adapter:
+        what = f"A LoRA adapter (rank {state.get('lora_rank', '?')}) over `{base}`, trained with rlgate"
+        load = [
+            "from peft import PeftModel",
+            "",
+            f'base = AutoModelForCausalLM.from_pretrained("{base}")',
+            'model = PeftModel.from_pretrained(base, "<this folder or repo>")',
+        ]
     body = [
         "---",
         "",
         f"# {run.name}, step {step}",
         "",
-        f"Trained with rlgate from `{base}` by reinforcement learning",
+        f"{what} by reinforcement learning",
         f"from live sessions: {algorithm.get('variety', 'grpo')} with the {loss} loss, "
         f"{training.get('batch_size', '?')} episodes per step",
         f"in groups of {training.get('group_size', '?')}, learning rate {training.get('learning_rate', '?')};",
@@ -69,7 +82,7 @@ def model_card(run: Path, step: int, state: dict) -> str:
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
-        'model = AutoModelForCausalLM.from_pretrained("<this folder or repo>")',
+        *load,
         "```",
     ]
     if rows:
@@ -77,16 +90,23 @@ def model_card(run: Path, step: int, state: dict) -> str:
     return "\n".join(header + body) + "\n"
 
 
-def export_model(run: str | Path, out: str | Path, step: int | None = None) -> tuple[Path, int]:
-    """Copy the checkpoint's model folder to ``out`` (new or empty) and write its model card."""
+def export_model(run: str | Path, out: str | Path, step: int | None = None, merged: bool = False) -> tuple[Path, int]:
+    """Copy the checkpoint's model folder (a LoRA run's adapter, or with ``merged`` its
+    merged model) to ``out`` (new or empty) and write its model card."""
     run, out = Path(run), Path(out)
     folder, chosen, state = checkpoint_at(run, step)
-    if not (folder / "model").is_dir():
-        raise ValueError(f"{folder} holds no model/ (an unfinished checkpoint?); choose another --step")
+    adapter = (folder / ADAPTER).is_dir() and not merged
+    source = folder / (ADAPTER if adapter else MERGED if merged else MODEL)
+    if not source.is_dir():
+        if merged:
+            raise ValueError(f"{folder} holds no merged/ model: set [training.lora] save_merged = true to keep one")
+        raise ValueError(f"{folder} holds no {MODEL}/ (an unfinished checkpoint?); choose another --step")
     if out.is_file() or (out.exists() and any(out.iterdir())):
         raise ValueError(f"{out} is not an empty folder; export into a new one")
-    shutil.copytree(folder / "model", out, dirs_exist_ok=True)
-    (out / "README.md").write_text(model_card(run, chosen, state))
+    shutil.copytree(source, out, dirs_exist_ok=True)
+    if adapter:
+        state = {**state, "lora_rank": json.loads((source / "adapter_config.json").read_text()).get("r")}
+    (out / "README.md").write_text(model_card(run, chosen, state, adapter))
     return out, chosen
 
 

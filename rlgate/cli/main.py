@@ -1,7 +1,7 @@
 """The ``rlgate`` command.
 
     rlgate model prepare NAME [--dtype float32|bfloat16]
-    rlgate check-parity --model NAME [--engine auto|vllm|hf] [--tolerance X]
+    rlgate check-parity --model NAME [--engine auto|vllm|hf] [--lora [RANK]] [--tolerance X]
     rlgate chat [--config configs/chat.toml]
     rlgate serve [--config configs/serve.toml] [--host H] [--port P]
     rlgate train --config X [--task-app URL] [--resume]        train here (local Ray, started if none runs)
@@ -9,7 +9,7 @@
     rlgate jobs list | status ID | events ID | cancel ID
     rlgate session start --task-id T | reward --key K R | end --key K [--failed]
     rlgate trajectories export RUN --out FILE [--format parquet|jsonl] [--model NAME]
-    rlgate export RUN OUT [--step N] [--push-to-hub REPO_ID [--public]]  a checkpoint as a model folder
+    rlgate export RUN OUT [--step N] [--merged] [--push-to-hub REPO_ID [--public]]  a checkpoint as a model folder
 
 The HTTP commands talk to ``--backend`` (default ``$RLGATE_URL``, else
 http://127.0.0.1:8000; for ``train``, no gateway means training here) with
@@ -42,7 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     parity.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto")
     parity.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parity.add_argument("--tolerance", type=float, default=None, help="pass mark for |Δ logprob|")
-    parity.add_argument("--learning-rate", type=float, default=1e-4, help="size of the optimizer step pushed")
+    parity.add_argument(
+        "--learning-rate", type=float, default=None, help="size of the optimizer step pushed (1e-4; --lora 1e-2)"
+    )
+    parity.add_argument(
+        "--lora", type=int, nargs="?", const=8, default=None, metavar="RANK", help="train and push a LoRA adapter"
+    )
     parity.add_argument("--no-fresh-engine", action="store_true", help="skip the fresh-engine comparison")
     parity.add_argument(
         "--weight-sync", choices=["file", "ipc"], default="file", help="ipc: the CUDA IPC fast path (GPU only)"
@@ -113,6 +118,11 @@ def _parser() -> argparse.ArgumentParser:
     model_export.add_argument("run", help="the run folder (holding trainer/step-*/)")
     model_export.add_argument("out", help="the folder to write (new or empty)")
     model_export.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest)")
+    model_export.add_argument(
+        "--merged",
+        action="store_true",
+        help="a LoRA run: its merged model ([training.lora] save_merged), not the adapter",
+    )
     model_export.add_argument("--push-to-hub", metavar="REPO_ID", help="then upload it to this Hub model repo")
     model_export.add_argument("--public", action="store_true", help="with --push-to-hub: a new repo is public")
     return parser
@@ -176,7 +186,7 @@ def _export(args) -> int:
 def _export_model(args) -> int:
     from rlgate.cli.export_model import export_model, push_to_hub
 
-    out, step = export_model(args.run, args.out, args.step)
+    out, step = export_model(args.run, args.out, args.step, args.merged)
     print(f"rlgate: step {step} of {args.run} -> {out} (README.md is its model card)")
     if args.push_to_hub:
         print(f"rlgate: pushed to {push_to_hub(out, args.push_to_hub, args.public)}")
@@ -192,13 +202,17 @@ def _check_parity(args) -> int:
     from rlgate.rollout.parity import failures, run_parity, tolerance_for
 
     hf_logging.disable_progress_bar()
+    from rlgate.config import LoraSettings
+
+    lora = LoraSettings(rank=args.lora, alpha=2.0 * args.lora) if args.lora is not None else None
     report = run_parity(
         args.model,
         engine=args.engine,
         dtype=args.dtype,
-        learning_rate=args.learning_rate,
+        learning_rate=args.learning_rate or (1e-2 if lora is not None else 1e-4),
         fresh_engine=not args.no_fresh_engine,
         weight_sync=args.weight_sync,
+        lora=lora,
     )
     for line in report.lines():
         print(line)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlgate.jobs import schema as jobs
-from rlgate.run import checkpoint_states, checkpoints_dir
+from rlgate.run import checkpoint_states, checkpoint_weights, checkpoints_dir
 from rlgate.sessions.manager import SessionError, hash_key, redact, same_secret
 
 LOST_KEY = (
@@ -184,7 +184,7 @@ class JobBook:
         metrics = self.metrics(job_id)
         found = []
         for folder, state in checkpoint_states(checkpoints_dir(self.run_dir(job_id))).items():
-            found.append(jobs.Checkpoint(step=state["driver"]["step"], path=str(folder / "model")))
+            found.append(jobs.Checkpoint(step=state["driver"]["step"], path=str(checkpoint_weights(folder))))
         found.sort(key=lambda c: c.step)
         return jobs.JobResults(
             final_reward=metrics[-1]["reward_mean"] if metrics else None,

@@ -7,6 +7,11 @@
    partial update shows up here as a large difference.
 3. Optionally start a fresh engine on the updated weights: it must give the
    updated engine's tokens, and its logprobs up to batch-dependent rounding.
+
+With ``lora`` the reference is the model with a PEFT LoRA adapter, the step
+trains the adapter alone, the push sends the adapter (the engine serves it as
+a LoRA adapter; the base weights stay), and the fresh engine starts from the
+folder PEFT's own ``save_pretrained`` wrote.
 """
 
 from __future__ import annotations
@@ -15,6 +20,10 @@ import asyncio
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlgate.config import LoraSettings
 
 PROMPTS = [
     "What is 12 + 30? Answer with a number.",
@@ -66,34 +75,46 @@ def run_parity(
     learning_rate: float = 1e-4,
     fresh_engine: bool = True,
     weight_sync: str = "file",
+    lora: LoraSettings | None = None,
 ) -> ParityReport:
-    return asyncio.run(_run(model, engine, dtype, max_tokens, learning_rate, fresh_engine, weight_sync))
+    return asyncio.run(_run(model, engine, dtype, max_tokens, learning_rate, fresh_engine, weight_sync, lora))
 
 
-async def _run(model_name, engine_kind, dtype, max_tokens, learning_rate, fresh_engine, weight_sync) -> ParityReport:
+async def _run(
+    model_name, engine_kind, dtype, max_tokens, learning_rate, fresh_engine, weight_sync, lora
+) -> ParityReport:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlgate.config import RolloutConfig
     from rlgate.models import BUILTIN_DTYPES, prepare_model
     from rlgate.rollout.engines import make_engine, resolve_engine_kind
-    from rlgate.rollout.weight_sync import FileWeightSender, IpcWeightSender
+    from rlgate.rollout.lora import attach
+    from rlgate.rollout.weight_sync import AdapterSender, FileWeightSender, IpcWeightSender
 
     kind = resolve_engine_kind(engine_kind)
     if weight_sync == "ipc" and not (kind == "vllm" and torch.cuda.is_available()):
         raise ValueError("--weight-sync ipc needs vLLM on a CUDA GPU")
+    if weight_sync == "ipc" and lora is not None:
+        raise ValueError("--lora pushes adapters, not weights: leave --weight-sync at file")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.backends.cuda.matmul.allow_tf32 = False  # a float32 reference, not TF32
     path = prepare_model(model_name, dtype if dtype in BUILTIN_DTYPES else "float32")
     tokenizer = AutoTokenizer.from_pretrained(path)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    if lora is not None:
+        torch.manual_seed(0)  # the adapter's A; its B starts at zero, as the base model
+        reference = attach(reference, lora).eval()
     prompts = [
         tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)["input_ids"]
         for text in PROMPTS
     ]
     rollout = RolloutConfig(engine=kind, max_model_len=1024, weight_sync=weight_sync)
-    engine = make_engine(path, rollout, dtype)
-    sender = (IpcWeightSender if weight_sync == "ipc" else FileWeightSender)(reference, engine)
+    engine = make_engine(path, rollout, dtype, lora=lora)
+    if lora is not None:
+        sender = AdapterSender(reference, engine)
+    else:
+        sender = (IpcWeightSender if weight_sync == "ipc" else FileWeightSender)(reference, engine)
     await engine.ready()
     try:
         before = await _sample(engine, prompts, max_tokens)
@@ -116,12 +137,20 @@ async def _run(model_name, engine_kind, dtype, max_tokens, learning_rate, fresh_
         await engine.shutdown()
 
     diff_fresh = None
-    notes = [f"{report.tensors} tensors pushed in place by {weight_sync}; no engine restart"]
+    how = "as a LoRA adapter" if lora is not None else f"in place by {weight_sync}"
+    notes = [f"{report.tensors} tensors pushed {how}; no engine restart"]
     if fresh_engine:
         with tempfile.TemporaryDirectory(prefix="rlgate-parity-") as folder:
-            reference.save_pretrained(folder, safe_serialization=True)
+            reference.save_pretrained(folder, safe_serialization=True)  # with LoRA: the adapter, as PEFT saves it
             tokenizer.save_pretrained(folder)
-            fresh = make_engine(folder, rollout.model_copy(update={"weight_sync": "file"}), dtype, initial_version=1)
+            fresh = make_engine(
+                path if lora is not None else folder,
+                rollout.model_copy(update={"weight_sync": "file"}),
+                dtype,
+                initial_version=1,
+                lora=lora,
+                adapter=folder if lora is not None else None,
+            )
             await fresh.ready()
             try:
                 again = await _sample(fresh, prompts, max_tokens)
@@ -207,7 +236,8 @@ def _one_optimizer_step(model, prompts, completions, learning_rate: float) -> No
     import torch
 
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+    trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapter alone
+    optimizer = torch.optim.AdamW(trained, lr=learning_rate, weight_decay=0.0)
     for prompt, completion in zip(prompts + prompts, completions):
         sequence = torch.tensor([prompt + completion.token_ids], device=model.device)
         loss = model(sequence, labels=sequence).loss / len(completions)

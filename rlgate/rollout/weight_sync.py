@@ -1,6 +1,6 @@
 """Sending trainer weights into rollout engines.
 
-Two routes behind one call, ``push(version)``:
+Three routes behind one call, ``push(version)``:
 
 * :class:`FileWeightSender` (CPU, or any GPU placement): the state dict goes to
   ``engine.update_weights``, which stages it as a safetensors file in shared
@@ -10,6 +10,8 @@ Two routes behind one call, ``push(version)``:
   by handle; the engine maps them and loads in place. No copy through host
   memory. It talks to the engine through :class:`EngineSyncClient`, which
   implements vLLM's four-call ``VLLMWeightSyncClient`` protocol.
+* :class:`AdapterSender` (``[training.lora]``): only the LoRA adapter goes,
+  and the engine serves it as an adapter over its unchanged base weights.
 """
 
 from __future__ import annotations
@@ -31,6 +33,18 @@ class FileWeightSender:
 
     async def push(self, version: int) -> WeightUpdateReport:
         return await self.engine.update_weights(self.model.state_dict(), version)
+
+
+class AdapterSender:
+    """Pushes the LoRA adapter of a PEFT ``model`` (:func:`rlgate.rollout.lora.adapter_of`)."""
+
+    def __init__(self, model: torch.nn.Module, engine: Engine) -> None:
+        self.model, self.engine = model, engine
+
+    async def push(self, version: int) -> WeightUpdateReport:
+        from rlgate.rollout.lora import adapter_of
+
+        return await self.engine.update_weights(adapter_of(self.model), version)
 
 
 class EngineSyncClient:

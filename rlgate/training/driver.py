@@ -38,7 +38,9 @@ from ray import serve
 from rlgate.actors.trainer import TrainerWorkers
 from rlgate.config import ConfigError, RLGateConfig, dump_config, load_config
 from rlgate.run import (
+    ADAPTER,
     INHERITED_STATE,
+    MODEL,
     NAMESPACE,
     actor_name,
     app_name,
@@ -72,6 +74,8 @@ def main() -> int:
     dump_config(config, run_dir / "config.toml")  # the settings this run (or resumption) used
     if start.weights is not None:  # engines start on the checkpoint's weights
         config.model.name = str(start.weights)
+    if start.adapter is not None:  # or on the base model with the checkpoint's adapter
+        config.model.adapter = str(start.adapter)
     if start.buffer is None:  # a fresh run trains on episodes that finish from now on, the first included
         start.buffer = {"watermark": last_seq(run_dir / "trajectories"), "done_above": []}
     tracking = start_tracking(config, run_dir, start.step, args.resume)  # [logging]: fails the run here if it must
@@ -447,6 +451,7 @@ class ResumePoint:
     buffer: dict | None = None
     weights: Path | None = None
     first_command: int = 0
+    adapter: Path | None = None
 
 
 def resume_point(run_dir: Path, resume: bool) -> ResumePoint:
@@ -462,7 +467,11 @@ def resume_point(run_dir: Path, resume: bool) -> ResumePoint:
         raise SystemExit(f"rlgate: --resume, but {run_dir} has no checkpoint")
     folder, state = max(found.items(), key=lambda item: item[1]["next_command"])
     driver = state["driver"]
-    return ResumePoint(driver["step"], state["version"], driver["buffer"], folder / "model", state["next_command"])
+    if (folder / ADAPTER).is_dir():  # LoRA: the engines serve the base model with the checkpoint's adapter
+        return ResumePoint(
+            driver["step"], state["version"], driver["buffer"], None, state["next_command"], folder / ADAPTER
+        )
+    return ResumePoint(driver["step"], state["version"], driver["buffer"], folder / MODEL, state["next_command"])
 
 
 def forget_earlier_run(run: str, run_dir: Path) -> None:

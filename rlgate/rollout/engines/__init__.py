@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlgate.config import RolloutConfig
 from rlgate.rollout.engines.base import (
@@ -21,6 +22,9 @@ from rlgate.rollout.engines.base import (
     WeightUpdateReport,
     collect,
 )
+
+if TYPE_CHECKING:
+    from rlgate.config import LoraSettings
 
 __all__ = [
     "Completion",
@@ -54,12 +58,27 @@ def resolve_engine_kind(kind: str) -> str:
 
 
 def make_engine(
-    model_path: str | Path, rollout: RolloutConfig, dtype: str = "float32", initial_version: int = 0
+    model_path: str | Path,
+    rollout: RolloutConfig,
+    dtype: str = "float32",
+    initial_version: int = 0,
+    lora: LoraSettings | None = None,
+    adapter: str | Path | None = None,
 ) -> Engine:
-    """Build (not start) the engine that ``rollout.engine`` names; call ``await engine.ready()``."""
+    """Build (not start) the engine that ``rollout.engine`` names; call ``await engine.ready()``.
+
+    ``lora`` (``[training.lora]``): the engine serves the LoRA adapters the trainer
+    pushes; ``adapter``: a PEFT adapter folder it serves from the start (``[model] adapter``).
+    """
     kind = resolve_engine_kind(rollout.engine)
     if kind == "vllm":
+        from rlgate.config import LoraSettings
         from rlgate.rollout.engines.vllm import VLLMEngine
+        from rlgate.rollout.lora import rank_of
+
+        ranks = [lora.rank] if lora is not None else []
+        ranks += [rank_of(adapter)] if adapter is not None else []
+        lora_rank = LoraSettings(rank=max(ranks)).engine_rank if ranks else None
 
         return VLLMEngine(
             model_path,
@@ -71,6 +90,9 @@ def make_engine(
             cpu_kv_cache_gib=rollout.kv_cache_gib,
             weight_transfer=rollout.weight_sync,
             initial_version=initial_version,
+            lora_rank=lora_rank,
+            max_loras=rollout.max_loras,
+            adapter=adapter,
         )
     from rlgate.rollout.engines.hf import HFEngine
 
@@ -81,4 +103,5 @@ def make_engine(
         max_batch_size=rollout.max_batch_size,
         seed=rollout.seed,
         initial_version=initial_version,
+        adapter=adapter,
     )

@@ -55,8 +55,12 @@ class HFEngine(Engine):
         seed: int = 0,
         device: str = "cpu",
         initial_version: int = 0,
+        adapter: str | Path | None = None,
     ) -> None:
+        """``adapter``: a PEFT LoRA adapter folder merged in from the start, as ``initial_version``."""
         super().__init__(model_path, max_model_len, initial_version)
+        self._initial_adapter = adapter
+        self._pristine: dict | None = None  # the adapted weights as loaded, for merging each new adapter
         self.dtype = dtype
         self.max_batch_size = max_batch_size
         self.device = device
@@ -92,6 +96,10 @@ class HFEngine(Engine):
         eos = config.get("eos_token_id", [])
         self._eos = set(eos if isinstance(eos, list) else [eos]) | {self.tokenizer.eos_token_id} - {None}
         self._seeder = torch.Generator().manual_seed(self.seed)
+        if self._initial_adapter is not None:
+            from rlgate.rollout.lora import Adapter
+
+            await self._load_weights(await asyncio.to_thread(Adapter.read, self._initial_adapter))
         self._loop_task = asyncio.create_task(self._run())
 
     async def shutdown(self) -> None:
@@ -151,14 +159,39 @@ class HFEngine(Engine):
     async def _load_weights(self, weights: Mapping[str, torch.Tensor] | str) -> int:
         from safetensors.torch import load_file
 
+        from rlgate.rollout.lora import Adapter
+
+        if isinstance(weights, Adapter):
+            return await asyncio.to_thread(self._merge, weights)
         if isinstance(weights, str):
             weights = await asyncio.to_thread(load_file, weights)
+        self._pristine = None  # new base weights: merge later adapters into these
         names = check_update({name: tuple(t.shape) for name, t in weights.items()}, self._expected, self._tied)
         state = {name: weights[name] for name in names}
         # strict=False only because a tied lm_head is the embedding; check_update
         # has already verified the names are exactly the checkpoint's.
         await asyncio.to_thread(self.model.load_state_dict, state, strict=False)
         return len(state)
+
+    def _merge(self, adapter) -> int:
+        """Merge a LoRA adapter into the weights it adapts, over the weights as
+        they were before any adapter (PEFT's ``merge_and_unload``, one version at a time)."""
+        import torch
+
+        deltas = adapter.deltas()
+        params = dict(self.model.named_parameters())
+        unknown = sorted(set(deltas) - set(params))
+        if unknown:
+            raise ValueError(f"the adapter adapts weights this model does not have: {unknown[:3]}")
+        if self._pristine is None:
+            self._pristine = {}
+        for name in deltas:
+            self._pristine.setdefault(name, params[name].detach().clone())
+        with torch.no_grad():
+            for name, base in self._pristine.items():
+                delta = deltas.get(name)
+                params[name].copy_(base if delta is None else (base.float() + delta).to(base.dtype))
+        return len(deltas)
 
     # --- the batching loop ---------------------------------------------------
 

@@ -9,6 +9,12 @@ dict is written to a safetensors file in shared memory, and every worker
 loads it through :class:`rlgate.rollout.engines.vllm_worker.WeightSyncExtension`
 (``collective_rpc``), between ``pause_generation`` and ``resume_generation``,
 followed by a prefix-cache reset.
+
+With ``lora_rank`` set (``[training.lora]``) the engine serves LoRA adapters
+instead: each pushed :class:`rlgate.rollout.lora.Adapter` becomes a
+``LoRARequest`` (``v<version>``) without a pause; requests finish on the
+adapter they started with (their tokens carry its version), new requests take
+the newest, and an adapter no request uses any more is unloaded.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -27,6 +34,7 @@ from rlgate.rollout.engines.base import (
     Engine,
     SamplingParams,
     TokenChunk,
+    WeightUpdateReport,
     check_update,
     read_safetensors_specs,
 )
@@ -92,7 +100,13 @@ class VLLMEngine(Engine):
         enable_prefix_caching: bool = True,
         weight_transfer: str = "file",
         initial_version: int = 0,
+        lora_rank: int | None = None,
+        max_loras: int = 4,
+        adapter: str | Path | None = None,
     ) -> None:
+        """``lora_rank``: serve LoRA adapters of up to this rank (one of vLLM's
+        supported ranks) in ``max_loras`` slots; ``adapter``: a PEFT adapter
+        folder served from the start, as ``initial_version``."""
         super().__init__(model_path, max_model_len, initial_version)
         self.dtype = dtype
         self.cpu_kv_cache_gib = cpu_kv_cache_gib
@@ -112,6 +126,17 @@ class VLLMEngine(Engine):
             worker_extension_cls=_WORKER_EXTENSION,
             disable_log_stats=True,
         )
+        if lora_rank is not None:
+            self._engine_kwargs.update(
+                enable_lora=True, max_lora_rank=lora_rank, max_loras=max_loras, max_cpu_loras=max_loras
+            )
+        elif adapter is not None:
+            raise ValueError("an adapter needs an engine started for LoRA (lora_rank)")
+        self.lora_rank, self._initial_adapter = lora_rank, adapter
+        self._lora = None  # the LoRARequest new requests get
+        self._lora_users: dict[int, int] = {}  # adapter id -> requests using it
+        self._loras: dict[int, object] = {}  # adapter id -> its LoRARequest
+        self._lora_dir = _shm_dir() / f"rlgate-lora-{uuid.uuid4().hex}"
         if weight_transfer != "file":
             # GPU fast path: vLLM's own CUDA-IPC weight-transfer backend.
             self._engine_kwargs["weight_transfer_config"] = {"backend": weight_transfer}
@@ -141,6 +166,8 @@ class VLLMEngine(Engine):
         os.environ[reaper.OWNER_ENV] = str(os.getpid())  # its processes end with this one (reaper)
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         await self._llm.update_weight_version(str(self.version))
+        if self._initial_adapter is not None:
+            await self._add_adapter(Path(self._initial_adapter), self.version)
 
     @property
     def llm(self):
@@ -152,6 +179,8 @@ class VLLMEngine(Engine):
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        if self.lora_rank is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
 
     async def check_alive(self) -> None:
         await self.llm.check_health()
@@ -194,7 +223,13 @@ class VLLMEngine(Engine):
 
         params = self.check_request(prompt_ids, params)
         request_id = request_id or uuid.uuid4().hex
-        stream = self.llm.generate(tokens_input(list(prompt_ids)), self._vllm_params(params, whole), request_id)
+        lora, version = self._lora, None  # a request keeps the adapter it starts with
+        if lora is not None:
+            version = int(lora.lora_name.removeprefix("v"))
+            self._lora_users[lora.lora_int_id] += 1
+        stream = self.llm.generate(
+            tokens_input(list(prompt_ids)), self._vllm_params(params, whole), request_id, lora_request=lora
+        )
         # A separate task drains vLLM's stream as soon as outputs arrive, so each
         # token is labelled with the version current when it was produced even
         # if our consumer is slow (vLLM merges unread deltas).
@@ -205,11 +240,13 @@ class VLLMEngine(Engine):
             try:
                 async for output in stream:
                     for completion in output.outputs:
-                        chunk = self._to_chunk(completion, params.top_logprobs)
-                        if whole:  # finished: every token's version from vLLM's spans
+                        chunk = self._to_chunk(completion, params.top_logprobs, version)
+                        # with an adapter, its version (the base weights never change); whole: when
+                        # finished, every token's version from vLLM's weight-version spans
+                        if whole and version is None:
                             chunk.versions = self._span_versions(completion) or chunk.versions
                         emitted.setdefault(chunk.index, []).extend(chunk.versions)
-                        if completion.finish_reason is not None:
+                        if completion.finish_reason is not None and version is None:
                             self._check_versions(completion, emitted[chunk.index])
                         queue.put_nowait(chunk)
                 queue.put_nowait(None)
@@ -229,8 +266,11 @@ class VLLMEngine(Engine):
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
                 await self.llm.abort(request_id)
+            if lora is not None:
+                self._lora_users[lora.lora_int_id] -= 1
+                await self._unload_unused()
 
-    def _to_chunk(self, completion, top_logprobs: int) -> TokenChunk:
+    def _to_chunk(self, completion, top_logprobs: int, version: int | None = None) -> TokenChunk:
         token_ids = list(completion.token_ids)
         positions = list(completion.logprobs or [])
         logprobs = [position[token].logprob for token, position in zip(token_ids, positions)]
@@ -244,7 +284,7 @@ class VLLMEngine(Engine):
             index=completion.index,
             token_ids=token_ids,
             logprobs=logprobs,
-            versions=[self.version] * len(token_ids),
+            versions=[self.version if version is None else version] * len(token_ids),
             top_logprobs=top,
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
@@ -261,6 +301,56 @@ class VLLMEngine(Engine):
         if truth and truth != labels:
             self.version_label_mismatches += 1
             logger.warning("policy-version labels differ from vLLM's spans for one completion")
+
+    # --- LoRA adapters ----------------------------------------------------------
+
+    async def update_weights(self, weights, version: int) -> WeightUpdateReport:
+        """A full state dict (or its file) as in :class:`Engine`; on an engine started
+        for LoRA, an :class:`rlgate.rollout.lora.Adapter`, served from now on with no
+        pause (requests in flight finish on the adapter they started with)."""
+        from rlgate.rollout.lora import Adapter
+
+        if not isinstance(weights, Adapter):
+            if self.lora_rank is not None:
+                raise ValueError("this engine serves LoRA adapters: push an Adapter, not full weights")
+            return await super().update_weights(weights, version)
+        if self.lora_rank is None:
+            raise ValueError("this engine was not started for LoRA adapters; set [training.lora]")
+        if weights.rank > self.lora_rank:
+            raise ValueError(f"the adapter's rank {weights.rank} is above the engine's LoRA rank {self.lora_rank}")
+        async with self._update_lock:
+            if version < self.version:
+                raise ValueError(f"version {version} is older than the served version {self.version}")
+            started = asyncio.get_running_loop().time()
+            folder = await asyncio.to_thread(weights.write, self._lora_dir / f"v{version}-{uuid.uuid4().hex[:8]}")
+            await self._add_adapter(folder, version)
+            seconds = asyncio.get_running_loop().time() - started
+        return WeightUpdateReport(version=version, seconds=seconds, tensors=len(weights.tensors))
+
+    async def _add_adapter(self, folder: Path, version: int) -> None:
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(f"v{version}", max(self._loras, default=0) + 1, str(folder))
+        self._lora_users[request.lora_int_id] = 0
+        self._loras[request.lora_int_id] = request
+        if not await self.llm.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the LoRA adapter at {folder}")
+        self._lora, self.version = request, version
+        await self._unload_unused()
+
+    async def _unload_unused(self) -> None:
+        """Unload the adapters no request uses that are not the newest."""
+        for lora_id, users in list(self._lora_users.items()):
+            if users == 0 and (self._lora is None or lora_id != self._lora.lora_int_id):
+                del self._lora_users[lora_id]
+                await self.llm.remove_lora(lora_id)
+                folder = Path(self._loras.pop(lora_id).lora_path)
+                if folder.parent == self._lora_dir:  # a copy of ours, not the folder it started from
+                    shutil.rmtree(folder, ignore_errors=True)
+
+    def adapters_loaded(self) -> list[str]:
+        """The adapters this engine holds (``v<version>``), oldest first."""
+        return [request.lora_name for _, request in sorted(self._loras.items())]
 
     async def _set_paused(self, paused: bool) -> None:
         if paused:
