@@ -9,8 +9,10 @@ honour it and its absence would change the results. Nothing is dropped
 silently.
 
     type = "rl"; [algorithm] type = "online", method = "policy_gradient", variety -> [algorithm] variety
-    [model] base -> [model] name; label -> [gateway] served_model_name; trainer_mode = "full"
-            ([model] or [policy] trainer_mode "lora" and a hosted source are refused)
+    [model] base -> [model] name; label -> [gateway] served_model_name;
+            trainer_mode "full", or "lora" -> [training.lora] from [training.lora] (or the older
+            top-level [lora]) r -> rank, alpha, dropout, target_modules
+            ([model] or [policy] trainer_mode "qlora" and a hosted source are refused)
     [policy] model or model_name (when [model] has no base; all named must agree) -> [model] name;
              max_tokens, temperature, top_p, top_k,
              repetition_penalty, stop_sequences -> [task] policy_config (the sampling the task app asks for)
@@ -139,6 +141,26 @@ def from_synth(data: dict, source: str = "config") -> dict:
     return map_synth(data, source).config
 
 
+def _map_lora(m: _Mapper, lora: bool) -> None:
+    """trainer_mode "lora": [training.lora] (or the older top-level [lora]) as rlgate's [training.lora]."""
+    table = m.get("training", "lora")
+    older = m.data.get("lora") or {}
+    for where, value in (("training.lora", table), ("lora", older)):
+        if value is not None and not isinstance(value, dict):
+            m.refuse(where, "a table of r, alpha, dropout and target_modules")
+    m.used.update(f"lora.{key}" for key in older)
+    given = {**older, **(table or {})}
+    if not lora:
+        if given:
+            m.ignored.append("training.lora: trainer_mode is 'full': the whole model trains, no adapter")
+        return
+    names = {"r": "rank", "alpha": "alpha", "dropout": "dropout", "target_modules": "target_modules"}
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        m.refuse(f"training.lora.{unknown[0]}", f"unknown LoRA setting; use {', '.join(names)}")
+    m.put("training", "lora", {names[key]: value for key, value in given.items() if value is not None})
+
+
 def map_synth(data: dict, source: str = "config") -> Mapped:
     """The mapping and the ignored keys of a synth-ai RL config; ConfigError names what cannot be honoured."""
     data = _with_compute_topology(data)
@@ -168,12 +190,12 @@ def map_synth(data: dict, source: str = "config") -> Mapped:
             where = "[model] base" if base else "[policy] model"
             m.refuse(f"policy.{key}", f"{policy_model!r} differs from {where} {model!r}; name one model")
     m.put("model", "name", model)
-    for section in ("model", "policy"):
-        mode = (m.data.get(section) or {}).get("trainer_mode", "full")
-        if mode != "full":
+    modes = {section: (m.data.get(section) or {}).get("trainer_mode", "full") for section in ("model", "policy")}
+    for section, mode in modes.items():
+        if mode not in ("full", "lora"):
+            m.refuse(f"{section}.trainer_mode", f"full fine-tuning ('full') or 'lora' is supported, not {mode!r}")
+        if section == "model" or mode == "lora":  # [policy]'s "full" is listed as ignored (IGNORED)
             m.get(section, "trainer_mode")
-            m.refuse(f"{section}.trainer_mode", f"only full fine-tuning ('full') is supported, not {mode!r}")
-    m.get("model", "trainer_mode")
     m.put("gateway", "served_model_name", m.get("model", "label"))
     sampling = {key: m.get("policy", key) for key in SAMPLING if m.get("policy", key) is not None}
     # [services]
@@ -211,8 +233,7 @@ def map_synth(data: dict, source: str = "config") -> Mapped:
         m.put("task", "max_turns", turns)
     if m.get("training", "weight_sync_interval", 1) not in (None, 1):
         m.refuse("training.weight_sync_interval", "weights are pushed after every step (1)")
-    if m.get("training", "lora"):
-        m.refuse("training.lora", "LoRA is not supported; remove it to train the full model")
+    _map_lora(m, "lora" in modes.values())
     _map_weight_sync(m)
     _map_step_rewards(m)
     # [vllm], then [compute] and [topology] (whose tensor_parallel wins)
@@ -233,9 +254,6 @@ def map_synth(data: dict, source: str = "config") -> Mapped:
         for key in data.get(section, {}):  # an LLM verifier that is off: its settings weigh nothing
             m.used.add(f"{section}.{key}")
             m.ignored.append(f"{section}.{key}: the verifier is off (enabled is not true); rewards are the task app's")
-    if data.get("lora"):
-        m.refuse("lora", "not supported; remove it")
-    m.used.update(f"lora.{key}" for key in data.get("lora", {}))
     if data.get("judge"):
         m.refuse("judge", "LLM judges are not supported; the task app returns rewards")
     m.ignore_known()

@@ -185,9 +185,9 @@ def test_bad_requests_are_refused_with_what_was_wrong(jobsgw, task_app):
     post = lambda body, **kw: httpx.post(f"{jobsgw.url}/api/rl/jobs", json=body, **kw)  # noqa: E731
     assert post(payload(task_app)).status_code == 401
     bad = payload(task_app)
-    bad["data"]["config"]["model"]["trainer_mode"] = "lora"  # not honoured here, and it would change the results
+    bad["data"]["config"]["model"]["trainer_mode"] = "qlora"  # not honoured here, and it would change the results
     answer = post(bad, headers=jobsgw.admin)
-    assert answer.status_code == 422 and "model.trainer_mode: only full fine-tuning" in answer.text
+    assert answer.status_code == 422 and "model.trainer_mode: full fine-tuning ('full') or 'lora'" in answer.text
     assert "wrong type" not in answer.text  # said once, not wrapped
     typo = payload(task_app) | {"dat": {}}
     answer = post(typo, headers=jobsgw.admin)

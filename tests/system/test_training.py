@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -447,3 +448,62 @@ def test_a_task_app_the_config_does_not_allow_is_never_called(tmp_path, joined):
     assert "rlgate: task app check failed: GET " in result.stderr
     assert "task app host '127.0.0.1' resolves to 127.0.0.1, a loopback address" in result.stderr
     assert "[jobs] task_app_hosts" in result.stderr and seen == [] and "gateway at" not in result.stdout
+
+
+def test_a_lora_run_trains_an_adapter_that_the_engine_serves_and_a_resume_goes_on_from(tmp_path, joined):
+    """[training.lora] on vLLM: every step pushes only the adapter, and the engine serves
+    each version exactly (the trainer's base + adapter logprobs are the engine's). The
+    checkpoint holds the adapter in PEFT format (and the merged model, asked for), not
+    the model; ``--resume`` starts the engine on the checkpoint's adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    def lora_config(total_steps: int) -> Path:
+        path = config(tmp_path, total_steps=total_steps, save_every=1)
+        text = re.sub(r"\nport = \d+\n", f"\nport = {joined.port}\n", path.read_text())
+        direct = f'route_prefix = "/lora"\ncolocate = true\ndirect_port = {free_port()}'
+        text = text.replace("[gateway]\n", f"[gateway]\n{direct}\n")
+        text = text.replace("learning_rate = 3e-3", "learning_rate = 2e-2")
+        text += "[algorithm]\nkl_coef = 0.05\n[training.lora]\nrank = 8\nalpha = 16\nsave_merged = true\n"
+        path.write_text(text)
+        return path
+
+    first = train(lora_config(2), env=joined.env)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    run = tmp_path / "runs" / "e2e"
+    resumed = train(lora_config(3), "--resume", env=joined.env)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+
+    metrics = lines(run / "metrics.jsonl")
+    assert [m["version"] for m in metrics] == [1, 2, 3]
+    for m in metrics:  # the engine sampled with exactly the adapter the trainer held, the resumed one too
+        assert m["train_logprob_mismatch_max"] < 1e-4 and m["staleness"] == 0 and m["samples"] == 8
+    records = {r["seq"]: r for f in sorted((run / "trajectories").glob("*.jsonl")) for r in lines(f)}
+    for batch in lines(run / "batches.jsonl"):  # each step trained what the adapter before it sampled
+        assert all(
+            {v for m, v in zip(records[seq]["loss_mask"], records[seq]["versions"]) if m} == {batch["step"] - 1}
+            for seq in batch["seqs"]
+        )
+
+    states = {p.parent: json.loads(p.read_text()) for p in run.glob("trainer/step-*/trainer_state.json")}
+    latest = max(states, key=lambda p: states[p]["next_command"])
+    assert states[latest]["version"] == 3
+    assert sorted(p.name for p in latest.iterdir()) == ["adapter", "merged", "optimizer.pt", "trainer_state.json"]
+    base = AutoModelForCausalLM.from_pretrained(prepare_model("tiny-random"), dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 20, 30, 40, 50, 6]])
+    with torch.no_grad():
+        plain = base(ids).logits
+        adapted = PeftModel.from_pretrained(base, str(latest / "adapter")).eval()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(latest / "merged", dtype=torch.float32).eval()(ids).logits
+    assert (adapted - plain).abs().max() > 1e-2  # the adapter learnt something: serving the base would show
+    assert torch.allclose(adapted, merged, atol=1e-4)  # merged/ is base + adapter
+    exported = subprocess.run(
+        [sys.executable, "-m", "rlgate.cli", "export", str(run), str(tmp_path / "out")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert exported.returncode == 0, exported.stderr
+    assert (tmp_path / "out" / "adapter_config.json").is_file()
+    assert "library_name: peft" in (tmp_path / "out" / "README.md").read_text()

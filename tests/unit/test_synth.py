@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlgate.config import ConfigError, parse_config
+from rlgate.config import ConfigError, parse_config, parse_config_noting
 from rlgate.jobs.synth import is_synth_shape
 
 SYNTH = {
@@ -60,6 +60,18 @@ def test_a_synth_config_is_mapped_onto_ours():
     assert parse_config(with_(jobs__task_app_hosts=["127.0.0.1"])).jobs.task_app_hosts == ["127.0.0.1"]
 
 
+def test_trainer_mode_lora_trains_an_adapter_with_synth_ais_lora_table():
+    lora = {"r": 8, "alpha": 16, "dropout": 0.05, "target_modules": ["q_proj", "v_proj"]}
+    config = parse_config(with_(model__trainer_mode="lora", training__lora=lora)).training.lora
+    assert (config.rank, config.alpha, config.dropout, config.target_modules) == (8, 16.0, 0.05, ["q_proj", "v_proj"])
+    older = parse_config(with_(policy__trainer_mode="lora", lora={"r": 4})).training.lora  # the older top-level [lora]
+    assert older.rank == 4 and older.target_modules == "all-linear"
+    assert parse_config(with_(model__trainer_mode="lora")).training.lora.rank == 16  # rlgate's defaults
+    config, ignored = parse_config_noting(with_(training__lora=lora))  # trainer_mode "full": the table weighs nothing
+    assert config.training.lora is None
+    assert "training.lora: trainer_mode is 'full': the whole model trains, no adapter" in ignored
+
+
 def test_episodes_per_batch_is_the_batch_size_when_training_has_none():
     data = with_()
     del data["training"]["batch_size"]
@@ -102,14 +114,15 @@ def test_gpus_are_split_between_rollouts_and_training(compute, rollout_gpus, rep
     [
         ({"model__source": "ft:job_1"}, r"model.source: continuing from a hosted checkpoint"),
         (
-            {"model__trainer_mode": "lora"},
-            r"model.trainer_mode: only full fine-tuning \('full'\) is supported, not 'lora'",
+            {"model__trainer_mode": "qlora"},
+            r"model.trainer_mode: full fine-tuning \('full'\) or 'lora' is supported, not 'qlora'",
         ),
         ({"algorithm__type": "offline"}, r"algorithm.type: only 'online'"),
         ({"algorithm__variety": "ppo"}, r"algorithm.variety: Input should be"),
         ({"training__weight_sync_interval": 4}, r"training.weight_sync_interval: weights are pushed after every step"),
-        ({"training__lora": {"r": 8}}, r"training.lora: LoRA is not supported"),
-        ({"policy__trainer_mode": "lora"}, r"policy.trainer_mode: only full fine-tuning"),
+        ({"model__trainer_mode": "lora", "training__lora": {"rank": 8}}, r"training.lora.rank: unknown LoRA setting"),
+        ({"training__lora": 8}, r"training.lora: a table of r, alpha, dropout and target_modules"),
+        ({"policy__trainer_mode": "qlora"}, r"policy.trainer_mode: full fine-tuning"),
         ({"policy__source": "ft:job_1"}, r"policy.source: continuing from a hosted checkpoint"),
         ({"policy__model_name": "Qwen/Qwen3-4B"}, r"policy.model_name: 'Qwen/Qwen3-4B' differs from \[model\] base"),
         ({"training__weight_sync": {"bogus": 1}}, r"training.weight_sync.bogus: unknown key"),
