@@ -47,3 +47,15 @@ def test_check_parity_on_smollm2():
 def test_check_parity_rejects_unknown_models():
     result, _ = check_parity("--model", "not-a-model")
     assert result.returncode == 2 and "unknown model" in result.stderr
+
+
+def test_check_parity_of_a_lora_adapter_push():
+    """--lora: the step trains an adapter, the push sends it alone, and a fresh engine
+    starts from the folder PEFT saved (the HF engine here; vLLM's adapters are
+    tests/integration/test_lora_engine.py's and the LoRA driver run's)."""
+    result, fields = check_parity("--model", "tiny-random", "--lora", "4", "--engine", "hf")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert float(fields["max_abs_logprob_diff"]) < 1e-4
+    assert float(fields["logprob_change_from_update"]) > 1e-2
+    assert float(fields["max_abs_logprob_diff_vs_fresh_engine"]) <= FRESH_ENGINE_TOLERANCE
+    assert "pushed as a LoRA adapter" in result.stdout and "parity: OK" in result.stdout
