@@ -44,6 +44,7 @@ from rlgate.run import (
     checkpoint_states,
     checkpoints_dir,
 )
+from rlgate.training import strategy
 from rlgate.training.grpo import LossConfig
 from rlgate.training.loop import surviving
 from rlgate.training.policy_step import PolicyTrainer, StepSettings, collate, shard
@@ -66,6 +67,7 @@ def step_settings(settings: RLGateConfig) -> StepSettings:
         updates_per_batch=training.updates_per_batch,
         grad_accumulation=training.grad_accumulation,
         max_grad_norm=training.max_grad_norm,
+        bf16=training.bf16,
     )
 
 
@@ -102,16 +104,18 @@ def train_worker(setup: dict) -> None:
         reference = lora.WithoutAdapter(model)  # the base under the adapter: no second copy
     elif settings.algorithm.kl_coef > 0:
         reference = AutoModelForCausalLM.from_pretrained(setup["model_path"], dtype=torch.float32).eval()
-    model = ray.train.torch.prepare_model(model)
+    prepared = strategy.prepare(model, settings.compute.strategy, settings.training.gradient_checkpointing)
+    model, plain = prepared.model, prepared.plain
+    if isinstance(reference, torch.nn.Module):
+        reference = strategy.shard_reference(reference, settings.compute.strategy)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
         lr=settings.training.learning_rate,
         weight_decay=settings.training.weight_decay,
     )
     if optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state)
+        strategy.load_optimizer_state(prepared, optimizer, optimizer_state)
     trainer = PolicyTrainer(model, optimizer, step_settings(settings), reference)
-    plain = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
     republisher = Republisher(policy) if rank == 0 else None
     while (command := ray.get(channel.fetch.remote(index)))["op"] != "stop":
@@ -119,12 +123,11 @@ def train_worker(setup: dict) -> None:
         rows = shard(list(zip(records, advantages)), rank, world)
         batch = collate([r for r, _ in rows], [a for _, a in rows], pad_id)
         metrics = trainer.step(batch, command["version"], command["normaliser"], scale=float(world))
+        metrics["peak_memory_mib"] = peak_memory_mib()
         new_version = command["version"] + 1
+        full = strategy.full_state_dict(prepared, rank) if adapting is None else None  # FSDP: every rank gathers
         if rank == 0:
-            if adapting is not None:
-                weights = lora.adapter_of(plain)
-            else:
-                weights = {name: tensor.detach().cpu() for name, tensor in plain.state_dict().items()}
+            weights = lora.adapter_of(plain) if adapting is not None else full
             published = surviving(lambda: policy.status.remote(), "the published version")["version"]
             if new_version > published:  # a restarted worker repeats steps after its checkpoint
                 ref = [ray.put(weights)]
@@ -132,10 +135,22 @@ def train_worker(setup: dict) -> None:
                 surviving(lambda v=new_version, r=ref: policy.publish.remote(v, r), "publishing")
                 republisher.published(new_version, ref)  # kept: a restarted store gets it again
         # Every step's metrics go to Ray Train (a collective: every worker reports), with a checkpoint when due.
-        save = (plain, tokenizer, optimizer, index + 1, command.get("driver_state")) if command.get("save") else None
+        save = None
+        if command.get("save"):  # the optimizer's state is gathered by every rank under FSDP
+            optimizer_state = strategy.optimizer_state(prepared, optimizer)
+            save = (plain, full, tokenizer, optimizer_state, index + 1, command.get("driver_state"))
         _report(metrics, new_version, rank, save, adapting is not None and adapting.save_merged)
         ray.get(channel.done.remote(index, rank, metrics))
         index += 1
+
+
+def peak_memory_mib() -> float:
+    """This worker's peak memory so far: GPU memory allocated on a GPU, else resident memory."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 @contextlib.contextmanager
@@ -174,7 +189,7 @@ def _report(metrics: dict, version: int, rank: int, save: tuple | None, merged: 
     if save is None:
         ray.train.report({**metrics, "version": version})
         return
-    model, tokenizer, optimizer, next_command, driver_state = save
+    model, weights, tokenizer, optimizer_state, next_command, driver_state = save
     with tempfile.TemporaryDirectory(prefix="rlgate-checkpoint-") as folder:
         checkpoint = None
         if rank == 0:
@@ -183,9 +198,9 @@ def _report(metrics: dict, version: int, rank: int, save: tuple | None, merged: 
                 if merged:
                     _save_merged(model, tokenizer, Path(folder) / MERGED)
             else:
-                model.save_pretrained(Path(folder) / MODEL, safe_serialization=True)
+                model.save_pretrained(Path(folder) / MODEL, safe_serialization=True, state_dict=weights)
                 tokenizer.save_pretrained(Path(folder) / MODEL)
-            torch.save(optimizer.state_dict(), Path(folder) / "optimizer.pt")
+            torch.save(optimizer_state, Path(folder) / "optimizer.pt")
             state = {"next_command": next_command, "version": version, "driver": driver_state}
             (Path(folder) / STATE_FILE).write_text(json.dumps(state))
             checkpoint = Checkpoint.from_directory(folder)

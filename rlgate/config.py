@@ -333,6 +333,14 @@ class TrainingConfig(_Section):
         ge=-1,
         description="Trainer worker-group failures Ray Train recovers from (from the last checkpoint); -1 any.",
     )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass instead of keeping them (less memory)."
+    )
+    bf16: bool = Field(
+        False,
+        description="bfloat16 autocast for the trainer's forward and backward passes (weights and AdamW stay "
+        "float32); the engine's and the trainer's logprobs then differ by bf16 rounding.",
+    )
     lora: LoraSettings | None = Field(
         None,
         description="Train a LoRA adapter (pushed to the engines as an adapter, no full-weight sync); "
@@ -348,6 +356,11 @@ class TrainingConfig(_Section):
 
 class ComputeConfig(_Section):
     trainer_workers: int = Field(1, ge=1, le=4096, description="Ray Train workers (data parallel).")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="ddp: every worker holds the whole model; fsdp: FSDP2 shards parameters, gradients and "
+        "optimizer state over the workers (for models that do not fit one worker).",
+    )
     gpus_per_worker: float | None = Field(
         None,
         ge=0,
@@ -539,6 +552,11 @@ class RLGateConfig(_Section):
             raise ValueError(
                 f"gateway.direct_port {direct} + one port per colocated replica ({self.rollout.replicas}) "
                 "goes past 65535: choose a lower port"
+            )
+        if self.compute.strategy == "fsdp" and self.training.lora is not None:
+            raise ValueError(
+                'compute.strategy "fsdp" trains the full model; a LoRA adapter trains on "ddp" workers '
+                "(its frozen base is not sharded yet)"
             )
         if self.task.dataset is not None and self.services.task_url is not None:
             raise ValueError("set one of [task] dataset and [services] task_url (a task app), not both")

@@ -103,6 +103,7 @@ class StepSettings:
     updates_per_batch: int = 1
     grad_accumulation: int = 1
     max_grad_norm: float = 1.0
+    bf16: bool = False  # bfloat16 autocast around the forward passes (weights stay float32)
 
 
 class PolicyTrainer:
@@ -127,10 +128,12 @@ class PolicyTrainer:
         e.g. by the world size to undo data-parallel gradient averaging.
         """
         s = self.settings
+        device = next(self.model.parameters()).device.type
+        autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=s.bf16)
         sampled = batch.versions >= 0
         stale = sampled & (batch.versions < version - s.max_staleness) & (batch.loss_mask > 0)
         mask = batch.loss_mask * (~stale).float()
-        with torch.no_grad():
+        with torch.no_grad(), autocast:
             self.model.eval()
             proximal = token_logprobs(self.model, batch)
             reference = token_logprobs(self.reference, batch) if self.reference is not None else None
@@ -148,7 +151,8 @@ class PolicyTrainer:
                     continue
                 rows = slice(int(part[0]), int(part[-1]) + 1)
                 micro = batch.rows(rows)
-                logp, entropy = logprobs_and_entropy(self.model, micro)
+                with autocast:
+                    logp, entropy = logprobs_and_entropy(self.model, micro)
                 loss, metrics = policy_loss(
                     PolicyBatch(
                         logp=logp,
@@ -171,7 +175,7 @@ class PolicyTrainer:
         self.model.eval()
         return {
             "loss": losses[-1],
-            "grad_norm": float(grad_norm),
+            "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
             "trained_tokens": float(mask.sum()),
             "stale_tokens_dropped": float(stale.sum()),
             "logprob_mismatch_mean": float(mismatch.mean()) if mismatch.numel() else 0.0,

@@ -51,6 +51,8 @@ def test_the_lora_section_reads_as_toml_gives_it_and_says_what_is_wrong():
     with pytest.raises(ConfigError, match=r"training\.lora\.ranks: unknown key"):
         parse_config({"training": {"lora": {"ranks": 8}}})
     assert parse_config({"rollout": {"max_loras": 8}}).rollout.max_loras == 8
+    with pytest.raises(ConfigError, match='"fsdp" trains the full model; a LoRA adapter trains on "ddp" workers'):
+        parse_config({"training": {"lora": {}}, "compute": {"strategy": "fsdp"}})
 
 
 def test_an_adapter_written_here_is_the_adapter_peft_loads(adapted, reference_model, tmp_path, prompts):
