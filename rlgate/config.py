@@ -493,7 +493,13 @@ class TaskConfig(_Section):
 
 class EvaluationConfig(_Section):
     every_n_iters: int = Field(0, ge=0, description="Evaluate every N steps on held-out seeds (0: never).")
-    seeds: list[int] = Field(default_factory=list, description="Held-out seeds evaluated each time.")
+    seeds: list[int] = Field(
+        default_factory=list,
+        description="Held-out seeds evaluated each time: a task app's seeds, a dataset's row numbers, or a "
+        "built-in task's problems drawn with these seeds.",
+    )
+    n: int = Field(1, ge=1, le=1024, description="Episodes per seed (pass@k is reported for k up to n).")
+    pass_threshold: float = Field(1.0, description="An episode passes when its reward is at least this.")
     env_config: dict = Field(
         default_factory=dict, description="Merged over [task] env_config for evaluation episodes (e.g. a split)."
     )

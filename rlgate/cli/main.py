@@ -10,6 +10,7 @@
     rlgate session start --task-id T | reward --key K R | end --key K [--failed]
     rlgate trajectories export RUN --out FILE [--format parquet|jsonl] [--model NAME]
     rlgate export RUN OUT [--step N] [--merged] [--push-to-hub REPO_ID [--public]]  a checkpoint as a model folder
+    rlgate eval --config X [--model NAME_OR_RUN] [--seeds 0-31] [--n K] [--json OUT]  held-out mean reward, pass@k
 
 The HTTP commands talk to ``--backend`` (default ``$RLGATE_URL``, else
 http://127.0.0.1:8000; for ``train``, no gateway means training here) with
@@ -112,6 +113,25 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="the file to write")
     export.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
     export.add_argument("--model", help="whose tokenizer decodes the text (default: the run's config.toml)")
+    evaluate = commands.add_parser(
+        "eval", help="a model's held-out episodes through a gateway: mean reward and pass@k per seed"
+    )
+    evaluate.add_argument("--config", required=True, help="the episodes: [task], [services] task_url, [evaluation]")
+    evaluate.add_argument("--model", help="a model name or folder, or a run folder (its latest checkpoint)")
+    evaluate.add_argument("--task", help="a built-in task instead of the config's")
+    evaluate.add_argument("--dataset", help="a dataset (jsonl, parquet or a name) instead; with --reward")
+    evaluate.add_argument("--reward", help="the dataset's reward function, MODULE:FUNCTION or FILE.py:FUNCTION")
+    evaluate.add_argument("--task-app", help="a task app's base URL instead")
+    evaluate.add_argument("--seeds", nargs="+", help="seeds or ranges (0-31); a dataset's seeds are its rows")
+    evaluate.add_argument("--n", type=int, help="episodes per seed ([evaluation] n)")
+    evaluate.add_argument(
+        "--threshold", type=float, help="an episode passes at this reward ([evaluation] pass_threshold)"
+    )
+    evaluate.add_argument("--json", help="write the report here (default: standard output)")
+    evaluate.add_argument(
+        "--backend", default=os.environ.get("RLGATE_URL"), help="a gateway serving the model (default: one here)"
+    )
+    evaluate.add_argument("--api-key", default=os.environ.get("RLGATE_ADMIN_KEY"), help="default $RLGATE_ADMIN_KEY")
     model_export = commands.add_parser(
         "export", help="a run's checkpoint as a Hugging Face model folder with a model card"
     )
@@ -164,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
             return _export(args)
         if args.command == "export":
             return _export_model(args)
+        if args.command == "eval":
+            from rlgate.cli.evaluate import run_eval
+
+            return run_eval(args)
     except (ModelNotFoundError, ValueError) as err:
         print(f"rlgate: error: {err}", file=sys.stderr)
         return 2

@@ -36,6 +36,7 @@ class Tracked:
     idempotency_key: str | None = None
     events: list[jobs.Event] = field(default_factory=list)
     seen_step: int = 0  # the last metrics step reported as events
+    seen_evals: int = 0  # evaluations (lines of eval.jsonl) reported as events
     keyed: bool = False  # given a task app key (saved as a flag: a restart knows what it lost)
     task_app_key: str | None = None  # in memory only, until the job's driver takes it
     submit_failures: int = 0
@@ -172,7 +173,11 @@ class JobBook:
     # --- what the job's driver writes: metrics, checkpoints, why it waits ---------------
 
     def metrics(self, job_id: str) -> list[dict]:
-        path = self.run_dir(job_id) / "metrics.jsonl"
+        return self.lines(job_id, "metrics.jsonl")
+
+    def lines(self, job_id: str, name: str) -> list[dict]:
+        """The whole JSON lines of a file the job's driver appends to (metrics.jsonl, eval.jsonl)."""
+        path = self.run_dir(job_id) / name
         if not path.exists():
             return []
         lines = path.read_text().splitlines()
@@ -214,6 +219,10 @@ class JobBook:
                 for kind, message, data in jobs.step_events(line):
                     self.event(job_id, kind, message, data)
                 tracked.seen_step = line["step"]
+        evaluations = self.lines(job_id, "eval.jsonl")
+        for line in evaluations[tracked.seen_evals :]:
+            self.event(job_id, *jobs.evaluation_event(line))
+        tracked.seen_evals = max(tracked.seen_evals, len(evaluations))
         job.progress = jobs.progress(metrics, job.total_steps)
 
     def note_waiting(self, job: jobs.Job) -> None:

@@ -190,13 +190,14 @@ def progress(metrics: list[dict], total_steps: int) -> dict[str, Any]:
 
 
 def step_events(metrics: dict) -> list[tuple[str, str, dict]]:
-    """The events one metrics line makes, as (type, message, data): the step's,
-    then its evaluation's if it had one."""
+    """The events one metrics line makes, as (type, message, data)."""
     step = metrics["step"]
-    events = [("rl.iteration.complete", f"step {step}: reward {metrics.get('reward_mean', float('nan')):.3f}", metrics)]
-    if "eval_episodes" in metrics:
-        mean = metrics.get("eval_reward_mean")
-        result = f"reward {mean:.3f}" if mean is not None else "every episode failed"
-        summary = {k: v for k, v in metrics.items() if k == "step" or k.startswith("eval_")}
-        events.append(("rl.evaluation.complete", f"evaluation after step {step}: {result}", summary))
-    return events
+    return [("rl.iteration.complete", f"step {step}: reward {metrics.get('reward_mean', float('nan')):.3f}", metrics)]
+
+
+def evaluation_event(line: dict) -> tuple[str, str, dict]:
+    """The event of one evaluation (a line of the run's ``eval.jsonl``), as (type, message, data)."""
+    mean = line.get("eval_reward_mean")
+    result = f"reward {mean:.3f}" if mean is not None else "every episode failed"
+    summary = {k: v for k, v in line.items() if k == "step" or k.startswith("eval_")}
+    return "rl.evaluation.complete", f"evaluation after step {line['step']}: {result}", summary

@@ -50,7 +50,10 @@ class DatasetTask:
         if not self._order:  # a new pass over the rows
             self._order = list(range(len(self.rows)))
             rng.shuffle(self._order)
-        index = self._order.pop()
+        return self.problem_at(self._order.pop())
+
+    def problem_at(self, index: int) -> Problem:
+        """Row ``index`` as a problem (an evaluation seed names a row)."""
         row = self.rows[index]
         messages = messages_of(row[self.prompt_column], f"{self.source} row {index}")
         return Problem(f"row-{index}", messages, row=row)

@@ -26,8 +26,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import httpx
@@ -56,10 +56,11 @@ from rlgate.sessions.manager import hash_key, new_key
 from rlgate.sessions.trajectory_files import last_seq
 from rlgate.training.batching import GroupBuffer
 from rlgate.training.dataset_task import DatasetError, DatasetTask, dataset_task
+from rlgate.training.evaluation import EvalReport, Evaluator, evaluate, problems_for
 from rlgate.training.loop import collect, normaliser, score, surviving
 from rlgate.training.placement import cluster_nodes, plan, unplaceable, wait_for_room, worker_bundle
 from rlgate.training.runlog import RunLog
-from rlgate.training.tasks import Episodes, builtin_episodes, evaluate, get_task, task_app_episodes
+from rlgate.training.tasks import Episodes, builtin_episodes, get_task, task_app_episodes
 from rlgate.training.tracking import Tracking
 
 
@@ -94,6 +95,7 @@ def main() -> int:
     episodes = start_episodes(config, url, key.value, stopping, task_app, dataset, start.step)
     log = RunLog(run_dir, config.training.total_steps, start.step, tracking=tracking)
     progress = Progress(start.step, start.version)
+    evaluator = held_out_evaluation(config, url, key.value, task_app, dataset, run_dir)
     try:
         train(
             config,
@@ -102,12 +104,13 @@ def main() -> int:
             trainer,
             stopping,
             log,
-            partial(evaluation, config, url=url, key=key.value, task_app=task_app),
+            evaluator.at,
         )
     except KeyboardInterrupt:
         print("rlgate: interrupted; writing the reward curve", file=sys.stderr)
     finally:
         stopping.set()
+        evaluator.wait(EVAL_WAIT_S)  # the evaluation under way, if any, still reaches eval.jsonl
         if episodes is not None:
             episodes.stop()
         trainer.stop()
@@ -427,18 +430,49 @@ def start_episodes(
     )
 
 
-def evaluation(config: RLGateConfig, step: int, url: str, key: str, task_app: TaskAppClient | None) -> dict:
-    """Evaluate the current policy on the held-out seeds when due (task apps only)."""
-    every, seeds = config.evaluation.every_n_iters, config.evaluation.seeds
-    if task_app is None or not every or not seeds or step % every:
-        return {}
-    app = task_app.copy()  # its own connections, in this thread's event loop
-    _, run = task_app_episodes(app, config, config.served_model_name, f"{config.gateway.run_name}-eval", mode="eval")
-    try:
-        return asyncio.run(evaluate(url, key, run, seeds, config.task.max_concurrent))
-    except Exception as err:  # an evaluation costs its figures, never the run
-        print(f"rlgate: evaluation after step {step} failed: {err}", file=sys.stderr)
-        return {"eval_reward_mean": None, "eval_episodes": 0, "eval_failed": len(seeds)}
+EVAL_WAIT_S = 300.0  # how long the end of a run waits for the evaluation under way
+
+
+def evaluation_episodes(
+    config: RLGateConfig, url: str, task_app: TaskAppClient | None, dataset: DatasetTask | None
+) -> tuple[list, Callable] | None:
+    """``(items, run)`` for :func:`rlgate.training.evaluation.evaluate` over ``[evaluation]
+    seeds``: a task app's seeds, a dataset's rows or a built-in task's problems (None: no task)."""
+    seeds, task = config.evaluation.seeds, config.task
+    if task_app is not None:
+        app = task_app.copy()  # its own connections, in the evaluating thread's event loop
+        _, run = task_app_episodes(app, config, config.served_model_name, f"{config.gateway.run_name}-eval", "eval")
+        return [(seed, seed) for seed in seeds], run
+    if dataset is None and task.builtin is None:
+        return None
+    played = dataset or get_task(task.builtin)
+    _, run = builtin_episodes(played, url, task.max_tokens, task.temperature, config.training.seed)
+    return problems_for(played, seeds), run
+
+
+def held_out_evaluation(
+    config: RLGateConfig, url: str, key: str, task_app: TaskAppClient | None, dataset: DatasetTask | None, run_dir: Path
+) -> Evaluator:
+    """Every ``[evaluation] every_n_iters`` steps, ``n`` episodes of each held-out seed
+    beside the step loop; each evaluation is a line of ``eval.jsonl`` and its
+    figures join the first step line logged after it finished (with ``eval_step``)."""
+    settings = config.evaluation
+
+    def run(step: int) -> EvalReport | None:
+        episodes = evaluation_episodes(config, url, task_app, dataset)
+        if episodes is None:
+            return None
+        items, play = episodes
+        report = asyncio.run(
+            evaluate(url, key, play, items, settings.n, config.task.max_concurrent, settings.pass_threshold)
+        )
+        with (run_dir / "eval.jsonl").open("a") as log:
+            whole = report.as_dict()
+            log.write(json.dumps({"step": step, **report.metrics(), "n": report.n, "seeds": whole["seeds"]}) + "\n")
+        return report
+
+    due = lambda step: bool(settings.every_n_iters and settings.seeds and step % settings.every_n_iters == 0)  # noqa: E731
+    return Evaluator(run, due)
 
 
 @dataclass

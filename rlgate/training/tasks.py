@@ -238,42 +238,6 @@ def task_app_episodes(
     return groups(), run
 
 
-async def evaluate(
-    url: str, admin_key: str, run: Callable[[dict, int], Awaitable[float]], seeds: list[int], concurrency: int
-) -> dict:
-    """One episode per held-out seed, in evaluation sessions (never trained on);
-    the mean reward over the episodes that did not fail."""
-    import httpx
-
-    slots = asyncio.Semaphore(concurrency)
-    admin = {"Authorization": f"Bearer {admin_key}"}
-
-    async def one(http: httpx.AsyncClient, seed: int) -> float | None:
-        async with slots:
-            body, auth = {"task_id": f"eval-seed-{seed}", "train": False}, None
-            try:
-                started = await http.post(f"{url}/rl/start_session", json=body, headers=admin)
-                session = started.raise_for_status().json()
-                auth = {"Authorization": f"Bearer {session['api_key']}"}
-                reward = await run(session, seed)
-                return reward[0] if isinstance(reward, tuple) else reward  # the outcome, not per-turn rewards
-            except Exception as err:  # costs this episode only
-                logger.warning("evaluation episode (seed %d) failed: %s", seed, redact(str(err)))
-                return None
-            finally:
-                if auth is not None:
-                    await http.post(f"{url}/rl/end_session", headers=auth)
-
-    async with httpx.AsyncClient(timeout=600) as http:
-        rewards = await asyncio.gather(*(one(http, seed) for seed in seeds))
-    done = [r for r in rewards if r is not None]
-    return {
-        "eval_reward_mean": sum(done) / len(done) if done else None,
-        "eval_episodes": len(done),
-        "eval_failed": len(rewards) - len(done),
-    }
-
-
 class Episodes:
     """:func:`play` in a thread of its own, with its :class:`EpisodeStats`."""
 

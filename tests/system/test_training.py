@@ -508,6 +508,24 @@ def test_a_lora_run_trains_an_adapter_that_the_engine_serves_and_a_resume_goes_o
     assert (tmp_path / "out" / "adapter_config.json").is_file()
     assert "library_name: peft" in (tmp_path / "out" / "README.md").read_text()
 
+    # `rlgate eval` of the run: its latest checkpoint (the base model with the adapter) on held-out problems
+    report_file = tmp_path / "eval.json"
+    evaluated = subprocess.run(
+        [sys.executable, "-m", "rlgate.cli", "eval", "--config", str(lora_config(3)), "--model", str(run)]
+        + ["--seeds", "0-3", "--n", "2", "--threshold", "0.5", "--json", str(report_file)],
+        cwd=ROOT,
+        env=driver_env() | joined.env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
+    report = json.loads(report_file.read_text())
+    assert report["model"] == f"{run} step 3: tiny-random with its LoRA adapter"
+    assert [s["seed"] for s in report["seeds"]] == [0, 1, 2, 3] and report["episodes"] + report["failed"] == 8
+    assert set(report["pass_at"]) == {"1", "2"} and 0 <= report["mean_reward"] <= 1
+    assert "pass@2" in evaluated.stderr  # the table
+
 
 def test_two_fsdp_workers_train_exact_weights_and_resume_their_sharded_optimizer(tmp_path, joined):
     """[compute] strategy = "fsdp" with two Ray Train workers (gloo) and gradient
@@ -521,6 +539,7 @@ def test_two_fsdp_workers_train_exact_weights_and_resume_their_sharded_optimizer
         text = text.replace("[rollout]\n", "[rollout]\nnum_cpus = 0.5\n")
         text = text.replace("[training]\n", "[training]\ngradient_checkpointing = true\n")
         text += '[compute]\ntrainer_workers = 2\ncpus_per_worker = 0.5\nstrategy = "fsdp"\n'
+        text += "[evaluation]\nevery_n_iters = 1\nseeds = [0, 1]\nn = 2\npass_threshold = 0.4\n"
         path.write_text(text)
         return path
 
@@ -540,3 +559,10 @@ def test_two_fsdp_workers_train_exact_weights_and_resume_their_sharded_optimizer
     assert trained.keys() == start.keys() and any(not torch.equal(trained[k], start[k]) for k in start)
     optimizer = torch.load(latest / "optimizer.pt", weights_only=True)
     assert len(optimizer["state"]) == len(start)  # every parameter's AdamW state, whole, not one shard's
+
+    # [evaluation] ran beside the steps: each run's first evaluation at least, and the last one waited for
+    evaluations = lines(run / "eval.jsonl")
+    assert len(evaluations) >= 2 and all(e["eval_episodes"] + e["eval_failed"] == 4 for e in evaluations)
+    assert [e["step"] for e in evaluations] == sorted({e["step"] for e in evaluations})
+    assert {m["eval_step"] for m in metrics if "eval_step" in m} <= {e["step"] for e in evaluations}
+    assert all(set(e["seeds"][0]["pass_at"]) == {"1", "2"} for e in evaluations)

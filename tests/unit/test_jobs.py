@@ -95,17 +95,12 @@ def test_progress_and_events_from_metrics():
         "failed_episodes": 2,
     }
     assert [e[:2] for e in jobs.step_events(line)] == [("rl.iteration.complete", "step 4: reward 0.250")]
-    evaluated = {"step": 5, "reward_mean": 0.0, "eval_reward_mean": 0.5, "eval_episodes": 4, "eval_failed": 0}
-    assert [e[:2] for e in jobs.step_events(evaluated)] == [
-        ("rl.iteration.complete", "step 5: reward 0.000"),
-        ("rl.evaluation.complete", "evaluation after step 5: reward 0.500"),
-    ]
-    assert jobs.step_events(evaluated)[1][2] == {
-        "step": 5,
-        "eval_reward_mean": 0.5,
-        "eval_episodes": 4,
-        "eval_failed": 0,
-    }
+    evaluated = {"step": 5, "eval_reward_mean": 0.5, "eval_episodes": 4, "eval_failed": 0, "seeds": []}
+    assert jobs.evaluation_event(evaluated) == (
+        "rl.evaluation.complete",
+        "evaluation after step 5: reward 0.500",
+        {"step": 5, "eval_reward_mean": 0.5, "eval_episodes": 4, "eval_failed": 0},
+    )
     assert jobs.RAY_STATUS["STOPPED"] == "cancelled" and set(jobs.RAY_STATUS.values()) <= set(jobs.Status.__args__)
 
 

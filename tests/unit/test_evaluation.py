@@ -1,0 +1,123 @@
+"""Held-out evaluation without a gateway: pass@k, the report's figures and
+table, seeds as problems, the driver's evaluation beside its step loop, and
+``rlgate eval``'s arguments."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+
+import pytest
+
+from rlgate.cli.evaluate import configured, seeds_of, serve_model_of
+from rlgate.config import parse_config
+from rlgate.training.dataset_task import DatasetTask
+from rlgate.training.evaluation import EvalReport, Evaluator, SeedResult, pass_at_k, problems_for
+from rlgate.training.tasks import get_task
+
+
+def test_pass_at_k_is_the_unbiased_estimate():
+    assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25) and pass_at_k(4, 1, 4) == 1.0
+    assert pass_at_k(4, 2, 2) == pytest.approx(1 - 1 / 6)  # 1 - C(2,2)/C(4,2)
+    assert pass_at_k(10, 3, 3) == pytest.approx(1 - 35 / 120)
+    with pytest.raises(ValueError, match="k must be in 1..4"):
+        pass_at_k(4, 1, 5)
+
+
+def test_a_report_gives_mean_reward_and_pass_at_k_per_seed_and_over_all():
+    report = EvalReport(
+        [SeedResult(7, [1.0, 0.0, 0.0, 1.0]), SeedResult(8, [0.5, 0.5, 0.5, 0.5]), SeedResult(9, [1.0], failed=3)],
+        n=4,
+        threshold=1.0,
+    )
+    assert report.episodes == 9 and report.failed == 3
+    assert report.mean_reward == pytest.approx(5.0 / 9)
+    # seed 9 had failures: left out of pass@k (a failed episode is not a miss), kept in the mean
+    assert report.pass_at(1) == pytest.approx((0.5 + 0.0) / 2)
+    assert report.pass_at(4) == pytest.approx((1.0 + 0.0) / 2)
+    whole = report.as_dict()
+    assert whole["pass_at"] == {"1": pytest.approx(0.25), "2": pytest.approx((5 / 6) / 2), "4": pytest.approx(0.5)}
+    assert [s["passes"] for s in whole["seeds"]] == [2, 0, 1] and whole["seeds"][2]["pass_at"]["1"] is None
+    assert json.loads(json.dumps(whole)) == whole
+    metrics = report.metrics()
+    assert metrics["eval_reward_mean"] == pytest.approx(5.0 / 9) and metrics["eval_pass_at_4"] == pytest.approx(0.5)
+    from rich.console import Console
+
+    console = Console(width=120, record=True)
+    console.print(report.table())
+    text = console.export_text()
+    assert "pass@4" in text and "2/4" in text and "1/4 (3 failed)" in text
+
+
+def test_a_seed_names_a_rows_problem_or_a_built_in_tasks_draw():
+    rows = [{"prompt": f"q{i}"} for i in range(5)]
+    dataset = DatasetTask(rows, "prompt", lambda completion, row, messages: 1.0, "rows.jsonl")
+    items = problems_for(dataset, [4, 0])
+    assert [(seed, p.id, p.messages[0]["content"]) for seed, p in items] == [(4, "row-4", "q4"), (0, "row-0", "q0")]
+    with pytest.raises(ValueError, match=r"seeds name rows of the dataset: 0..4 \(got \[5\]\)"):
+        problems_for(dataset, [5])
+    arithmetic = get_task("arithmetic")
+    first, again = problems_for(arithmetic, [3, 11]), problems_for(arithmetic, [3, 11])
+    assert [p.id for _, p in first] == [p.id for _, p in again]  # the same seed, the same problem
+    assert first[0][1].id != first[1][1].id
+
+
+def test_the_drivers_evaluation_runs_beside_its_steps():
+    """A step that makes an evaluation due does not wait for it; its figures join
+    the first step logged after it finished; one runs at a time."""
+    release, started = threading.Event(), []
+
+    def slow(step: int) -> EvalReport:
+        started.append(step)
+        release.wait(10)
+        return EvalReport([SeedResult(1, [1.0])], n=1, threshold=1.0)
+
+    evaluator = Evaluator(slow, due=lambda step: step % 2 == 0)
+    assert evaluator.at(1) == {} and started == []
+    assert evaluator.at(2) == {}  # started, not waited for
+    assert evaluator.at(4) == {} and started == [2]  # due again, but one is under way: not a second
+    release.set()
+    evaluator._thread.join(10)
+    figures = evaluator.at(5)
+    assert figures["eval_step"] == 2 and figures["eval_reward_mean"] == 1.0 and figures["eval_pass_at_1"] == 1.0
+    assert evaluator.at(5) == {}  # handed over once
+
+    def broken(step: int):
+        raise ConnectionError("gateway down")
+
+    failing = Evaluator(broken, due=lambda step: True)
+    failing.at(1)
+    assert failing.wait(10) == {"eval_reward_mean": None, "eval_episodes": 0, "eval_step": 1}
+
+
+def test_rlgate_eval_takes_its_episodes_and_model_from_flags_over_the_config(tmp_path, tiny_path):
+    config_file = tmp_path / "c.toml"
+    config_file.write_text('[task]\nbuiltin = "vowels"\n[evaluation]\nseeds = [1, 2]\n')
+    flags = dict(config=str(config_file), task=None, dataset=None, reward=None, task_app=None)
+    flags.update(seeds=None, n=None, threshold=None)
+    config = configured(argparse.Namespace(**flags))
+    assert config.evaluation.seeds == [1, 2] and config.evaluation.n == 1 and config.task.builtin == "vowels"
+    config = configured(argparse.Namespace(**{**flags, "task": "arithmetic", "seeds": ["0-2", "9"], "n": 4}))
+    assert config.task.builtin == "arithmetic" and config.evaluation.seeds == [0, 1, 2, 9] and config.evaluation.n == 4
+    with pytest.raises(ValueError, match="--dataset needs --reward"):
+        configured(argparse.Namespace(**{**flags, "dataset": "rows.jsonl"}))
+    config_file.write_text('[task]\nbuiltin = "vowels"\n')
+    with pytest.raises(ValueError, match="no seeds to evaluate: give --seeds"):
+        configured(argparse.Namespace(**flags))
+    with pytest.raises(ValueError, match="--seeds takes numbers and ranges like 0-31, not 'x'"):
+        seeds_of(["x"])
+
+    served = parse_config({})
+    assert serve_model_of(served, "tiny-random") == "tiny-random" and served.model.name == "tiny-random"
+    from rlgate import run as runs
+
+    run = tmp_path / "run"
+    checkpoint = runs.checkpoints_dir(run) / runs.checkpoint_name(6)
+    (checkpoint / runs.ADAPTER).mkdir(parents=True)
+    (checkpoint / runs.STATE_FILE).write_text(json.dumps({"version": 6, "next_command": 6, "driver": {"step": 6}}))
+    (run / "config.toml").write_text('[model]\nname = "tiny-random"\n')
+    served = parse_config({})
+    assert serve_model_of(served, str(run)) == f"{run} step 6: tiny-random with its LoRA adapter"
+    assert served.model.name == "tiny-random" and served.model.adapter == str(checkpoint / runs.ADAPTER)
