@@ -515,6 +515,11 @@ class LoggingConfig(_Section):
     wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
         None, description="W&B mode; None: online when WANDB_API_KEY is set, else offline (wandb sync uploads later)."
     )
+    mlflow: bool = Field(False, description="Log to an MLflow run (by default a file store in <run>/mlruns/).")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="MLflow tracking server; None: $MLFLOW_TRACKING_URI, else <run>/mlruns/."
+    )
+    mlflow_experiment: str = Field("rlgate", min_length=1, description="MLflow experiment the run is logged in.")
     samples_per_step: int = Field(
         4, ge=0, le=1024, description="Trajectories per step logged as a table of prompt, completion and reward."
     )

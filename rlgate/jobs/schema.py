@@ -167,6 +167,11 @@ def _job_config(request: JobRequest) -> tuple[RLGateConfig, list[str]]:
             f"{source}: logging.wandb: a job over HTTP cannot log to W&B with the cluster's credentials; "
             "use [logging] tensorboard (the files stay in the job's folder)"
         )
+    if config.logging.mlflow_tracking_uri is not None:  # the cluster would connect wherever the job says
+        raise ConfigError(
+            f"{source}: logging.mlflow_tracking_uri: a job over HTTP cannot send the cluster to a tracking "
+            "server of its choosing; [logging] mlflow alone logs to the job's own folder"
+        )
     if config.services.task_url is None and config.task.builtin is None:
         raise ConfigError(
             f"{source}: a job needs episodes: set [services] task_url (or data.endpoint_base_url) or [task] builtin"

@@ -1,13 +1,15 @@
-"""A run's step metrics and sample completions in TensorBoard and Weights & Biases
-(``[logging]``), beside ``metrics.jsonl``, which stays the record of truth.
+"""A run's step metrics and sample completions in TensorBoard, Weights & Biases
+and MLflow (``[logging]``), beside ``metrics.jsonl``, which stays the record of truth.
 
 Each tracker is imported only when it is asked for (``pip install
-'rlgate[tracking]'`` brings both). A resumed run goes on in the same W&B run
-(its id is kept in the run folder) and the same TensorBoard folder, where the
-steps it trains again replace the stopped run's; a fresh run starts a new W&B
-run. Samples are a few of each step's trajectories, decoded: the prompt, the
-completion, the reward. A tracker that fails while the run trains is dropped
-with a warning: it never stops the training.
+'rlgate[tracking]'`` brings all three). A resumed run goes on in the same W&B
+and MLflow run (their ids are kept in the run folder) and the same
+TensorBoard folder, where the steps it trains again replace the stopped
+run's; a fresh run starts a new W&B and MLflow run. Samples are a few of
+each step's trajectories, decoded: the prompt, the completion, the reward.
+A tracker that fails while the run trains is dropped with a warning: it
+never stops the training. (MLflow appends a step trained again beside the
+stopped run's value at that step.)
 """
 
 from __future__ import annotations
@@ -107,6 +109,54 @@ class WandbTracker:
         self.run.finish()
 
 
+class MlflowTracker:
+    """One MLflow run per rlgate run (resumed with it) in ``[logging]
+    mlflow_experiment``: each step's metrics at that step, the samples as a
+    table artifact per step (``samples/step-000020.json``), the config as
+    ``config.json``. The tracking server is ``mlflow_tracking_uri``, else
+    ``$MLFLOW_TRACKING_URI``, else a file store in the run folder (``mlruns/``:
+    ``mlflow ui --backend-store-uri <run>/mlruns`` shows it)."""
+
+    def __init__(self, settings: LoggingConfig, run_dir: Path, run_name: str, config: dict, resumed: bool) -> None:
+        try:
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            raise ImportError("[logging] mlflow needs the mlflow package: pip install mlflow-skinny") from None
+        uri = settings.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        if uri is None:  # the run folder's own file store (MLflow 3 asks to be told that a file store is meant)
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            uri = (run_dir / "mlruns").resolve().as_uri()
+        self.client = MlflowClient(tracking_uri=uri)
+        id_file = run_dir / "mlflow_run_id"
+        if resumed and id_file.exists():
+            self.run_id = id_file.read_text().strip()
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:  # a fresh run under an old name is a new MLflow run
+            name = settings.mlflow_experiment
+            experiment = self.client.get_experiment_by_name(name)
+            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+            self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+            id_file.write_text(self.run_id)
+            self.client.log_dict(self.run_id, config, "config.json")
+        self.uri = uri
+
+    def log(self, step: int, metrics: dict[str, float], samples: list[list[Any]]) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        stamp = int(time.time() * 1000)
+        batch = [Metric(name, value, stamp, step) for name, value in metrics.items()]
+        for start in range(0, len(batch), 1000):  # MLflow takes at most 1000 metrics per batch
+            self.client.log_batch(self.run_id, metrics=batch[start : start + 1000])
+        if samples:
+            table = {column: [row[i] for row in samples] for i, column in enumerate(SAMPLE_COLUMNS)}
+            self.client.log_table(self.run_id, data=table, artifact_file=f"samples/step-{step:06d}.json")
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
 def markdown_table(samples: list[list[Any]]) -> str:
     def cell(value: Any) -> str:
         text = f"{value:.3g}" if isinstance(value, float) else str(value)
@@ -153,6 +203,8 @@ class Tracking:
             trackers.append(TensorBoardTracker(run_dir / "tensorboard", first_step))
         if settings.wandb:
             trackers.append(WandbTracker(settings, run_dir / "wandb", run_name, config, resumed))
+        if settings.mlflow:
+            trackers.append(MlflowTracker(settings, run_dir, run_name, config, resumed))
         decode = None
         if trackers and settings.samples_per_step:
             from transformers import AutoTokenizer

@@ -1,4 +1,4 @@
-"""[logging]: a run's steps in TensorBoard and W&B (offline), read back with each
+"""[logging]: a run's steps in TensorBoard, W&B (offline) and MLflow, read back with each
 tool's own reader; samples decoded from the step's trajectories."""
 
 from __future__ import annotations
@@ -93,6 +93,32 @@ def test_wandb_offline_runs_go_on_as_one_run_with_a_samples_table_per_step(tmp_p
     assert b"reward_mean" in log and b"rlgate-tests" in log and b"samples_per_step" in log
     steps(tmp_path, {"wandb": True, "wandb_project": "rlgate-tests"}, tiny_path)  # a fresh run of the same name
     assert (tmp_path / "wandb" / "run_id").read_text() != run_id  # is a W&B run of its own
+
+
+def test_mlflow_runs_go_on_as_one_run_with_every_step_and_a_samples_table_per_step(tmp_path, monkeypatch, tiny_path):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the run folder's own store
+    settings = {"mlflow": True, "mlflow_experiment": "rlgate-tests", "samples_per_step": 2}
+    steps(tmp_path, settings, tiny_path)
+    run_id = (tmp_path / "mlflow_run_id").read_text()
+    steps(tmp_path, settings, tiny_path, first=3, last=4)  # resumed: the same MLflow run goes on
+    assert (tmp_path / "mlflow_run_id").read_text() == run_id
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())  # MLflow's own reader
+    run = client.get_run(run_id)
+    assert run.info.run_name == "tracked" and run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "rlgate-tests"
+    rewards = [(m.step, m.value) for m in client.get_metric_history(run_id, "reward_mean")]
+    assert sorted(rewards) == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)] and "note" not in run.data.metrics
+    tables = sorted(a.path for a in client.list_artifacts(run_id, "samples"))
+    assert tables == [f"samples/step-00000{n}.json" for n in (1, 2, 3, 4)]
+    table = json.loads((tmp_path / "mlruns" / run.info.experiment_id / run_id / "artifacts" / tables[-1]).read_text())
+    assert table["columns"] == SAMPLE_COLUMNS and table["data"][1] == [4, "row-2.1", 0.5, "t1", "t5 t6"]
+    (tmp_path / "downloaded").mkdir()
+    config = client.download_artifacts(run_id, "config.json", str(tmp_path / "downloaded"))
+    assert json.loads(open(config).read())["logging"]["mlflow"] is True  # the run's settings, with the run
+    steps(tmp_path, settings, tiny_path)  # a fresh run of the same name is an MLflow run of its own
+    assert (tmp_path / "mlflow_run_id").read_text() != run_id
 
 
 def test_a_tracker_that_fails_mid_run_is_dropped_and_the_run_goes_on(tmp_path, caplog):
