@@ -105,6 +105,8 @@ def train_worker(setup: dict) -> None:
     elif settings.algorithm.kl_coef > 0:
         reference = AutoModelForCausalLM.from_pretrained(setup["model_path"], dtype=torch.float32).eval()
     prepared = strategy.prepare(model, settings.compute.strategy, settings.training.gradient_checkpointing)
+    if torch.cuda.is_available():  # the peak while training, not while loading and sharding
+        torch.cuda.reset_peak_memory_stats()
     model, plain = prepared.model, prepared.plain
     if isinstance(reference, torch.nn.Module):
         reference = strategy.shard_reference(reference, settings.compute.strategy)

@@ -72,6 +72,7 @@ def worker(rank: int, world: int, port: int, path: str, setting: dict, args, out
     if setting.get("checkpointing"):
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    vocab = model.config.vocab_size
     if setting["strategy"] == "fsdp":
         model = strategy.prepare(model, "fsdp", device="cpu").model
     else:  # what Ray Train's prepare_model does on CPU
@@ -79,7 +80,7 @@ def worker(rank: int, world: int, port: int, path: str, setting: dict, args, out
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     settings = StepSettings(loss=LossConfig(aggregation="token_mean"), bf16=setting.get("bf16", False))
     trainer = PolicyTrainer(model, optimizer, settings)
-    everything = rows(args.rows, args.tokens, model.config.vocab_size)
+    everything = rows(args.rows, args.tokens, vocab)
     mine = shard(everything, rank, world)
     batch = collate([r for r, _ in mine], [a for _, a in mine])
     normaliser = float(sum(sum(r["loss_mask"][1:]) for r, _ in everything))

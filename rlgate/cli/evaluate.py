@@ -94,6 +94,8 @@ def run_eval(args) -> int:
     from rlgate.training.evaluation import evaluate
 
     config = configured(args)
+    if args.backend is not None and args.model is not None:
+        raise ValueError("--model is served here; a gateway at --backend serves its own model: give one of them")
     served = serve_model_of(config, args.model) if args.model else config.model.name
     dataset = driver.load_dataset_task(config)
     url = args.backend

@@ -62,8 +62,15 @@ class Tracked:
         events = [jobs.Event.model_validate_json(line) for line in lines]
         steps = [e.data.get("step", 0) for e in events if e.type == "rl.iteration.complete"]
         job = jobs.Job.model_validate(stored["job"])
-        keyed = bool(stored.get("task_app_key"))
-        return cls(job, stored["key_hash"], stored.get("idempotency_key"), events, max(steps, default=0), keyed)
+        return cls(
+            job,
+            stored["key_hash"],
+            idempotency_key=stored.get("idempotency_key"),
+            events=events,
+            seen_step=max(steps, default=0),
+            seen_evals=sum(e.type == "rl.evaluation.complete" for e in events),
+            keyed=bool(stored.get("task_app_key")),
+        )
 
 
 class JobBook:

@@ -167,10 +167,10 @@ def _job_config(request: JobRequest) -> tuple[RLGateConfig, list[str]]:
             f"{source}: logging.wandb: a job over HTTP cannot log to W&B with the cluster's credentials; "
             "use [logging] tensorboard (the files stay in the job's folder)"
         )
-    if config.logging.mlflow_tracking_uri is not None:  # the cluster would connect wherever the job says
+    if config.logging.mlflow:  # the cluster's MLFLOW_TRACKING_URI and credentials, or a server the job names
         raise ConfigError(
-            f"{source}: logging.mlflow_tracking_uri: a job over HTTP cannot send the cluster to a tracking "
-            "server of its choosing; [logging] mlflow alone logs to the job's own folder"
+            f"{source}: logging.mlflow: a job over HTTP cannot log to MLflow with the cluster's tracking server "
+            "and credentials; use [logging] tensorboard (the files stay in the job's folder)"
         )
     if config.services.task_url is None and config.task.builtin is None:
         raise ConfigError(

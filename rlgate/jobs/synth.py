@@ -191,6 +191,9 @@ def map_synth(data: dict, source: str = "config") -> Mapped:
             m.refuse(f"policy.{key}", f"{policy_model!r} differs from {where} {model!r}; name one model")
     m.put("model", "name", model)
     modes = {section: (m.data.get(section) or {}).get("trainer_mode", "full") for section in ("model", "policy")}
+    stated = {section: (m.data.get(section) or {}).get("trainer_mode") for section in ("model", "policy")}
+    if None not in stated.values() and stated["model"] != stated["policy"]:
+        m.refuse("policy.trainer_mode", f"{stated['policy']!r} differs from [model] trainer_mode {stated['model']!r}")
     for section, mode in modes.items():
         if mode not in ("full", "lora"):
             m.refuse(f"{section}.trainer_mode", f"full fine-tuning ('full') or 'lora' is supported, not {mode!r}")

@@ -80,6 +80,11 @@ class Adapter:
         """What the adapter adds to each adapted weight: ``{"<module>.weight": alpha / r * B @ A}``."""
         if self.config.get("use_dora") or self.config.get("use_rslora"):
             raise ValueError("DoRA and rsLoRA adapters cannot be merged here; train a plain LoRA adapter")
+        if self.config.get("fan_in_fan_out") or self.config.get("rank_pattern") or self.config.get("alpha_pattern"):
+            raise ValueError(
+                "adapters with fan_in_fan_out (Conv1D layers) or per-module ranks or alphas cannot be merged "
+                "here; serve them with vLLM"
+            )
         out = {}
         for name, a in self.tensors.items():
             if not name.endswith(".lora_A.weight"):

@@ -43,14 +43,24 @@ class DatasetTask:
             )
         self.rows, self.prompt_column, self.score, self.source = rows, prompt_column, reward, source
         self._order: list[int] = []
+        self.held_out: set[int] = set()
         for index, row in enumerate(rows):
             messages_of(row.get(prompt_column), f"{source} row {index}")  # every prompt usable, said at start
 
     def problem(self, rng: random.Random) -> Problem:
         if not self._order:  # a new pass over the rows
-            self._order = list(range(len(self.rows)))
+            self._order = [index for index in range(len(self.rows)) if index not in self.held_out]
             rng.shuffle(self._order)
         return self.problem_at(self._order.pop())
+
+    def hold_out(self, rows: list[int]) -> None:
+        """Keep ``rows`` (evaluation seeds) out of training."""
+        wrong = [row for row in rows if not 0 <= row < len(self.rows)]
+        if wrong:
+            raise DatasetError(f"{self.source}: [evaluation] seeds name rows 0..{len(self.rows) - 1} (got {wrong[:3]})")
+        if len(set(rows)) >= len(self.rows):
+            raise DatasetError(f"{self.source}: [evaluation] seeds hold out every row; none is left to train on")
+        self.held_out, self._order = set(rows), []
 
     def problem_at(self, index: int) -> Problem:
         """Row ``index`` as a problem (an evaluation seed names a row)."""

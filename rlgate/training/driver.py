@@ -71,6 +71,10 @@ def main() -> int:
     key = gateway_key(config, private=args.job_manager is not None)  # a refused key fails the run before it starts
     run_dir = Path(config.gateway.run_dir, config.gateway.run_name).resolve()
     start = resume_point(run_dir, args.resume)
+    if start.adapter is not None and config.training.lora is None:
+        raise SystemExit(f"rlgate: {run_dir}'s checkpoints hold a LoRA adapter: resume it with its [training.lora]")
+    if start.weights is not None and config.training.lora is not None:
+        raise SystemExit(f"rlgate: {run_dir} was fully fine-tuned: remove [training.lora] to resume it")
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(config, run_dir / "config.toml")  # the settings this run (or resumption) used
     if start.weights is not None:  # engines start on the checkpoint's weights
@@ -91,7 +95,7 @@ def main() -> int:
     url, started_serve = serve_gateway(config, start.version, key)
     trainer = start_trainer(config, gpus, run_dir, start.first_command)
     admit_under_the_rule(config, start.version)  # before any episode starts
-    stopping = threading.Event()
+    stopping, stopped_by_hand = threading.Event(), False
     episodes = start_episodes(config, url, key.value, stopping, task_app, dataset, start.step)
     log = RunLog(run_dir, config.training.total_steps, start.step, tracking=tracking)
     progress = Progress(start.step, start.version)
@@ -107,10 +111,12 @@ def main() -> int:
             evaluator.at,
         )
     except KeyboardInterrupt:
+        stopped_by_hand = True
         print("rlgate: interrupted; writing the reward curve", file=sys.stderr)
     finally:
         stopping.set()
-        evaluator.wait(EVAL_WAIT_S)  # the evaluation under way, if any, still reaches eval.jsonl
+        # the evaluation under way, if any, still reaches eval.jsonl (not waited for after Ctrl-C)
+        evaluator.wait(0 if stopped_by_hand else EVAL_WAIT_S)
         if episodes is not None:
             episodes.stop()
         trainer.stop()
@@ -149,6 +155,11 @@ def configured(args: argparse.Namespace) -> RLGateConfig:
             config.services.task_url = args.task_app
         if args.model is not None:
             config.model.name = args.model
+        if config.model.adapter is not None and config.training.lora is None:
+            raise ConfigError(
+                "[model] adapter: training goes on from an adapter with [training.lora]; without it the first "
+                "full-weight push would replace the weights the adapter sits on"
+            )
     except (ConfigError, ValidationError) as err:
         raise SystemExit(f"rlgate: {err}") from None
     if config.task.dataset is not None and config.services.task_url is not None:  # --task-app over a dataset
@@ -393,7 +404,14 @@ def load_dataset_task(config: RLGateConfig) -> DatasetTask | None:
         loaded = dataset_task(task.dataset, task.dataset_split, task.prompt_column, task.reward)
     except DatasetError as err:
         raise SystemExit(f"rlgate: [task] dataset: {err}") from None
-    print(f"rlgate: dataset {task.dataset}: {len(loaded.rows)} prompts, reward {task.reward}", flush=True)
+    evaluation = config.evaluation
+    if evaluation.every_n_iters and evaluation.seeds:
+        try:
+            loaded.hold_out(evaluation.seeds)
+        except DatasetError as err:
+            raise SystemExit(f"rlgate: [task] dataset: {err}") from None
+    held = f" ({len(loaded.held_out)} held out for evaluation)" if loaded.held_out else ""
+    print(f"rlgate: dataset {task.dataset}: {len(loaded.rows)} prompts{held}, reward {task.reward}", flush=True)
     return loaded
 
 

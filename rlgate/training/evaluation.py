@@ -7,7 +7,11 @@ every_n_iters`` steps beside the step loop (:class:`Evaluator`). A seed
 names one problem: a task app's seed, a dataset's row, or a built-in task's
 problem drawn with that seed. An episode passes when its reward reaches the
 threshold; pass@k is the unbiased estimate from ``n`` episodes with ``c``
-passes, ``1 - C(n - c, k) / C(n, k)``, averaged over the seeds.
+passes, ``1 - C(n - c, k) / C(n, k)``, averaged over the seeds (an episode
+that failed, its environment erroring, counts as neither; ``n`` is then the
+episodes that ran). During training an evaluation runs beside the steps, so
+its episodes are sampled by the policy served when each starts: the version
+of its step or a later one.
 """
 
 from __future__ import annotations
@@ -45,6 +49,12 @@ class SeedResult:
     def passes(self, threshold: float) -> int:
         return sum(reward >= threshold for reward in self.rewards)
 
+    def pass_at(self, k: int, threshold: float) -> float | None:
+        """pass@k from the episodes that ran (a failed one is neither a pass nor a miss);
+        None when fewer than ``k`` ran."""
+        ran = len(self.rewards)
+        return pass_at_k(ran, self.passes(threshold), k) if k <= ran else None
+
 
 @dataclass
 class EvalReport:
@@ -66,11 +76,9 @@ class EvalReport:
         return sum(rewards) / len(rewards) if rewards else None
 
     def pass_at(self, k: int) -> float | None:
-        """pass@k over the seeds whose episodes all ran (a failed episode is not a miss)."""
-        whole = [s for s in self.seeds if not s.failed]
-        if not whole:
-            return None
-        return sum(pass_at_k(self.n, s.passes(self.threshold), k) for s in whole) / len(whole)
+        """pass@k averaged over the seeds where at least ``k`` episodes ran."""
+        values = [v for s in self.seeds if (v := s.pass_at(k, self.threshold)) is not None]
+        return sum(values) / len(values) if values else None
 
     def ks(self) -> list[int]:
         return sorted({1, self.n} | {k for k in (2, 4, 8, 16, 32, 64) if k < self.n})
@@ -89,10 +97,7 @@ class EvalReport:
                     "mean_reward": sum(s.rewards) / len(s.rewards) if s.rewards else None,
                     "passes": s.passes(self.threshold),
                     "failed": s.failed,
-                    "pass_at": {
-                        str(k): pass_at_k(self.n, s.passes(self.threshold), k) if not s.failed else None
-                        for k in self.ks()
-                    },
+                    "pass_at": {str(k): s.pass_at(k, self.threshold) for k in self.ks()},
                     "rewards": s.rewards,
                 }
                 for s in self.seeds

@@ -70,17 +70,22 @@ def shard_reference(model: torch.nn.Module, strategy: str, device: str | None = 
 
 
 def _sharded(model: torch.nn.Module, device: str | None) -> torch.nn.Module:
-    """``model`` on ``device`` under FSDP2: each decoder layer a unit, then the rest."""
+    """``model`` under FSDP2 on ``device``: each decoder layer a unit, then the rest.
+    FSDP moves one unit at a time to the device as it shards it, so the whole
+    model is never on the device at once."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     if device is None:
         import ray.train.torch
 
         device = ray.train.torch.get_device()
-    model = model.to(device)
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
     for unit in shard_units(model):
-        fully_shard(unit)
-    fully_shard(model)
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

@@ -50,7 +50,7 @@ def one_step(model, rows, normaliser=None, scale=1.0):
     return PolicyTrainer(model, optimizer, settings()).step(batch, version=0, global_normaliser=normaliser, scale=scale)
 
 
-def worker(rank: int, world: int, port: int, path: str, checkpointing: bool, out: dict) -> None:
+def worker(rank: int, world: int, port: int, path: str, checkpointing: bool, out: dict, backend: str = "gloo") -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -58,10 +58,14 @@ def worker(rank: int, world: int, port: int, path: str, checkpointing: bool, out
     from rlgate.training.policy_step import shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        torch.backends.cuda.matmul.allow_tf32 = False  # float32 as on the CPU
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        prepared = strategy.prepare(model, "fsdp", gradient_checkpointing=checkpointing, device="cpu")
+        prepared = strategy.prepare(model, "fsdp", gradient_checkpointing=checkpointing, device=device)
         assert type(next(prepared.model.parameters())).__name__ == "DTensor"  # sharded, not replicated
         mine = shard(batch_rows(), rank, world)
         normaliser = float(sum(sum(r["loss_mask"][1:]) for r, _ in batch_rows()))  # token_mean: every token
@@ -75,9 +79,21 @@ def worker(rank: int, world: int, port: int, path: str, checkpointing: bool, out
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
 def test_fsdp_workers_take_the_step_one_process_takes_on_the_whole_batch(tiny_path, reference_model, checkpointing):
+    same_step_as_one_process(tiny_path, reference_model, checkpointing, "gloo")
+
+
+@pytest.mark.gpu
+def test_fsdp_on_nccl_takes_the_same_step(tiny_path, reference_model):
+    """The GPU path (scripts/gpu_check.sh): FSDP2 over NCCL, one GPU per worker."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"FSDP over NCCL needs two GPUs, one per worker (this machine has {torch.cuda.device_count()})")
+    same_step_as_one_process(tiny_path, reference_model, False, "nccl")
+
+
+def same_step_as_one_process(tiny_path, reference_model, checkpointing: bool, backend: str) -> None:
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(worker, args=(2, free_port(), str(tiny_path), checkpointing, out), nprocs=2)
+        mp.spawn(worker, args=(2, free_port(), str(tiny_path), checkpointing, out, backend), nprocs=2)
         weights, grad_norm = dict(out["weights"]), out["grad_norm"]
     whole = copy.deepcopy(reference_model)
     expected = one_step(whole, batch_rows())

@@ -196,6 +196,24 @@ async def test_a_restarted_job_manager_fails_the_jobs_whose_key_it_lost(tmp_path
     assert await after.take_task_app_key(keyless) is None
 
 
+async def test_a_restarted_job_manager_reports_each_evaluation_once(tmp_path, ray_jobs):
+    before = manager(tmp_path, ray_jobs)
+    job_id = (await before.submit(body(), None))["job_id"]
+    run = before.book.run_dir(job_id)
+    run.mkdir(parents=True, exist_ok=True)
+    evaluation = {"step": 2, "eval_reward_mean": 0.5, "eval_episodes": 3, "eval_failed": 0, "seeds": []}
+    (run / "eval.jsonl").write_text(json.dumps(evaluation) + "\n")
+    before.book.catch_up(job_id)
+    before.book.save(job_id)
+    (run / "eval.jsonl").write_text(json.dumps(evaluation) + "\n" + json.dumps({**evaluation, "step": 4}) + "\n")
+    after = manager(tmp_path, ray_jobs)  # a restart: what was reported is read back from the events
+    after.book.catch_up(job_id)
+    reported = [e.data["step"] for e in after.book.tracked[job_id].events if e.type == "rl.evaluation.complete"]
+    assert reported == [2, 4]
+    with pytest.raises(LookupError, match="submit the job again"):  # and the lost key is still said
+        await after.take_task_app_key(job_id)
+
+
 async def test_secret_files_an_earlier_version_left_are_removed(tmp_path, ray_jobs):
     before = manager(tmp_path, ray_jobs)
     done = (await before.submit(body(key=None), None))["job_id"]

@@ -64,7 +64,8 @@ def test_trainer_mode_lora_trains_an_adapter_with_synth_ais_lora_table():
     lora = {"r": 8, "alpha": 16, "dropout": 0.05, "target_modules": ["q_proj", "v_proj"]}
     config = parse_config(with_(model__trainer_mode="lora", training__lora=lora)).training.lora
     assert (config.rank, config.alpha, config.dropout, config.target_modules) == (8, 16.0, 0.05, ["q_proj", "v_proj"])
-    older = parse_config(with_(policy__trainer_mode="lora", lora={"r": 4})).training.lora  # the older top-level [lora]
+    both = {"model__trainer_mode": "lora", "policy__trainer_mode": "lora"}
+    older = parse_config(with_(**both, lora={"r": 4})).training.lora  # the older top-level [lora]
     assert older.rank == 4 and older.target_modules == "all-linear"
     assert parse_config(with_(model__trainer_mode="lora")).training.lora.rank == 16  # rlgate's defaults
     config, ignored = parse_config_noting(with_(training__lora=lora))  # trainer_mode "full": the table weighs nothing
@@ -122,7 +123,8 @@ def test_gpus_are_split_between_rollouts_and_training(compute, rollout_gpus, rep
         ({"training__weight_sync_interval": 4}, r"training.weight_sync_interval: weights are pushed after every step"),
         ({"model__trainer_mode": "lora", "training__lora": {"rank": 8}}, r"training.lora.rank: unknown LoRA setting"),
         ({"training__lora": 8}, r"training.lora: a table of r, alpha, dropout and target_modules"),
-        ({"policy__trainer_mode": "qlora"}, r"policy.trainer_mode: full fine-tuning"),
+        ({"policy__trainer_mode": "qlora"}, r"policy.trainer_mode: 'qlora' differs from \[model\] trainer_mode"),
+        ({"policy__trainer_mode": "lora"}, r"policy.trainer_mode: 'lora' differs from \[model\] trainer_mode 'full'"),
         ({"policy__source": "ft:job_1"}, r"policy.source: continuing from a hosted checkpoint"),
         ({"policy__model_name": "Qwen/Qwen3-4B"}, r"policy.model_name: 'Qwen/Qwen3-4B' differs from \[model\] base"),
         ({"training__weight_sync": {"bogus": 1}}, r"training.weight_sync.bogus: unknown key"),

@@ -133,9 +133,11 @@ class VLLMEngine(Engine):
         elif adapter is not None:
             raise ValueError("an adapter needs an engine started for LoRA (lora_rank)")
         self.lora_rank, self._initial_adapter = lora_rank, adapter
-        self._lora = None  # the LoRARequest new requests get
+        self._lora = None  # the LoRARequest new requests get (None: the base model)
         self._lora_users: dict[int, int] = {}  # adapter id -> requests using it
         self._loras: dict[int, object] = {}  # adapter id -> its LoRARequest
+        self._last_lora_id = 0  # ids only go up: vLLM never sees one reused
+        self._unloading = asyncio.Lock()
         self._lora_dir = _shm_dir() / f"rlgate-lora-{uuid.uuid4().hex}"
         if weight_transfer != "file":
             # GPU fast path: vLLM's own CUDA-IPC weight-transfer backend.
@@ -223,9 +225,9 @@ class VLLMEngine(Engine):
 
         params = self.check_request(prompt_ids, params)
         request_id = request_id or uuid.uuid4().hex
-        lora, version = self._lora, None  # a request keeps the adapter it starts with
+        # On a LoRA engine a request keeps the adapter it starts with (or the base model), and its version.
+        lora, version = self._lora, (self.version if self.lora_rank is not None else None)
         if lora is not None:
-            version = int(lora.lora_name.removeprefix("v"))
             self._lora_users[lora.lora_int_id] += 1
         stream = self.llm.generate(
             tokens_input(list(prompt_ids)), self._vllm_params(params, whole), request_id, lora_request=lora
@@ -262,12 +264,15 @@ class VLLMEngine(Engine):
                 yield item
         finally:
             self._running.discard(request_id)
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                await self.llm.abort(request_id)
+            try:
+                if not task.done():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    await self.llm.abort(request_id)
+            finally:
+                if lora is not None:  # counted out however the request ended, once vLLM has let it go
+                    self._lora_users[lora.lora_int_id] -= 1
             if lora is not None:
-                self._lora_users[lora.lora_int_id] -= 1
                 await self._unload_unused()
 
     def _to_chunk(self, completion, top_logprobs: int, version: int | None = None) -> TokenChunk:
@@ -330,21 +335,27 @@ class VLLMEngine(Engine):
     async def _add_adapter(self, folder: Path, version: int) -> None:
         from vllm.lora.request import LoRARequest
 
-        request = LoRARequest(f"v{version}", max(self._loras, default=0) + 1, str(folder))
-        self._lora_users[request.lora_int_id] = 0
-        self._loras[request.lora_int_id] = request
+        self._last_lora_id += 1
+        request = LoRARequest(f"v{version}", self._last_lora_id, str(folder))
         if not await self.llm.add_lora(request):
             raise RuntimeError(f"vLLM did not load the LoRA adapter at {folder}")
+        # known only once loaded, and made the newest at once (no await between): an unload running
+        # meanwhile never sees it unused and not the newest
+        self._loras[request.lora_int_id], self._lora_users[request.lora_int_id] = request, 0
         self._lora, self.version = request, version
         await self._unload_unused()
 
     async def _unload_unused(self) -> None:
-        """Unload the adapters no request uses that are not the newest."""
-        for lora_id, users in list(self._lora_users.items()):
-            if users == 0 and (self._lora is None or lora_id != self._lora.lora_int_id):
+        """Unload the adapters no request uses that are not the newest. Only the newest is
+        handed to new requests, so an older one with no user never gains one again."""
+        async with self._unloading:
+            for lora_id in list(self._lora_users):
+                newest = self._lora is not None and lora_id == self._lora.lora_int_id
+                if self._lora_users.get(lora_id) != 0 or newest:
+                    continue
                 del self._lora_users[lora_id]
-                await self.llm.remove_lora(lora_id)
                 folder = Path(self._loras.pop(lora_id).lora_path)
+                await self.llm.remove_lora(lora_id)
                 if folder.parent == self._lora_dir:  # a copy of ours, not the folder it started from
                     shutil.rmtree(folder, ignore_errors=True)
 
