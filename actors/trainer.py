@@ -141,7 +141,8 @@ def train_worker(setup: dict) -> None:
         if command.get("save"):  # the optimizer's state is gathered by every rank under FSDP
             optimizer_state = strategy.optimizer_state(prepared, optimizer)
             save = (plain, full, tokenizer, optimizer_state, index + 1, command.get("driver_state"))
-        _report(metrics, new_version, rank, save, adapting is not None and adapting.save_merged)
+        merged = setup["model_path"] if adapting is not None and adapting.save_merged else None
+        _report(metrics, new_version, rank, save, merged)
         ray.get(channel.done.remote(index, rank, metrics))
         index += 1
 
@@ -183,11 +184,12 @@ def _quiet_reports() -> None:
     context.logger.setLevel(logging.WARNING)
 
 
-def _report(metrics: dict, version: int, rank: int, save: tuple | None, merged: bool = False) -> None:
+def _report(metrics: dict, version: int, rank: int, save: tuple | None, merged: str | None = None) -> None:
     """``ray.train.report`` the step's metrics; with ``save``, also a checkpoint:
     the model in Hugging Face format (loadable by transformers and vLLM), the
     optimizer, and where to resume. A LoRA model saves its adapter alone, in
-    PEFT format, in ``adapter/`` (and with ``merged``, base + adapter in ``merged/``)."""
+    PEFT format, in ``adapter/`` (and with ``merged``, the base model's folder,
+    base + adapter in ``merged/``)."""
     if save is None:
         ray.train.report({**metrics, "version": version})
         return
@@ -198,7 +200,7 @@ def _report(metrics: dict, version: int, rank: int, save: tuple | None, merged: 
             if hasattr(model, "peft_config"):
                 model.save_pretrained(Path(folder) / ADAPTER)
                 if merged:
-                    _save_merged(model, tokenizer, Path(folder) / MERGED)
+                    _save_merged(model, merged, tokenizer, Path(folder) / MERGED)
             else:
                 model.save_pretrained(Path(folder) / MODEL, safe_serialization=True, state_dict=weights)
                 tokenizer.save_pretrained(Path(folder) / MODEL)
@@ -212,11 +214,10 @@ def _report(metrics: dict, version: int, rank: int, save: tuple | None, merged: 
         )
 
 
-def _save_merged(model, tokenizer, folder: Path) -> None:
-    """Base + adapter as one Hugging Face model at ``folder`` (the training model is left as it is)."""
-    import copy
-
-    copy.deepcopy(model).merge_and_unload().save_pretrained(folder, safe_serialization=True)
+def _save_merged(model, base: str, tokenizer, folder: Path) -> None:
+    """Base + adapter as one Hugging Face model at ``folder``, merged on the CPU from
+    the base model's folder (not a copy of the training model on its device)."""
+    lora.merged_model(base, lora.adapter_of(model)).save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
 
 

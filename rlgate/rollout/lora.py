@@ -95,6 +95,24 @@ class Adapter:
         return out
 
 
+def merged_model(base: str | Path, adapter: Adapter):
+    """The base model in ``base`` (a Hugging Face folder) with ``adapter`` merged into
+    its weights, on the CPU in float32: a plain model that serves alone."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    params = dict(model.named_parameters())
+    deltas = adapter.deltas()
+    unknown = sorted(set(deltas) - set(params))
+    if unknown:
+        raise ValueError(f"the adapter adapts weights the model in {base} does not have: {unknown[:3]}")
+    with torch.no_grad():
+        for name, delta in deltas.items():
+            params[name].add_(delta)
+    return model
+
+
 def rank_of(folder: str | Path) -> int:
     """The rank ``r`` of the adapter in ``folder`` (from its config alone)."""
     return int(json.loads((Path(folder) / CONFIG_FILE).read_text())["r"])

@@ -72,6 +72,16 @@ def test_an_adapter_written_here_is_the_adapter_peft_loads(adapted, reference_mo
         lora.Adapter.read(tmp_path)
 
 
+def test_a_merged_model_is_the_one_peft_merges(adapted, tiny_path, prompts):
+    """[training.lora] save_merged: base + adapter as a plain model, merged from the base's folder."""
+    merged = lora.merged_model(tiny_path, lora.adapter_of(adapted))
+    peft_merged = copy.deepcopy(adapted).merge_and_unload()
+    assert type(merged) is type(peft_merged)
+    assert torch.allclose(logits(merged, prompts[2]), logits(peft_merged, prompts[2]), atol=TOLERANCE)
+    # one matmul with the merged weight against PEFT's two: logits of size ~5 agree to float32 rounding
+    assert torch.allclose(logits(merged, prompts[2]), logits(adapted, prompts[2]), atol=1e-4)
+
+
 async def test_the_hf_engine_serves_an_adapter_as_peft_merges_it(adapted, tiny_path, tmp_path, prompts):
     """The HF engine merges each pushed adapter over the weights as first loaded: its
     logprobs are the PEFT model's, and a later adapter replaces (not adds to) the first."""
