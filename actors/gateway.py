@@ -42,7 +42,7 @@ from rlgate.actors.policy_store import PolicyFollower, get_or_create_policy_stor
 from rlgate.actors.session_store import SessionStore, owned_sessions
 from rlgate.actors.trajectory_store import TrajectoryStore
 from rlgate.config import RLGateConfig
-from rlgate.rollout.engines import RequestLog, make_engine
+from rlgate.rollout.engines import RequestLog, run_engine
 from rlgate.run import NAMESPACE, actor_name
 from rlgate.serving import api
 from rlgate.serving.auth import Auth, Slot, refuse_public_bind
@@ -157,14 +157,7 @@ class Gateway:
         self.slot, peers = Slot(replica.rank.rank, settings.rollout.replicas), None
         if self.slot.replicas > 1:
             peers = Peers(partial(serve.get_deployment_handle, "Gateway", app_name=replica.app_name), self.slot)
-        self.engine = make_engine(
-            model_path,
-            settings.rollout,
-            settings.model.dtype,
-            initial_version,
-            settings.training.lora,
-            settings.model.adapter,
-        )
+        self.engine = run_engine(settings, model_path, initial_version)
         await self.engine.ready()
         policy = get_or_create_policy_store(
             actor_name(gateway.run_name, "policy"),

@@ -22,7 +22,7 @@ from ray import serve
 
 from rlgate.actors.policy_store import PolicyFollower, get_or_create_policy_store
 from rlgate.config import RLGateConfig
-from rlgate.rollout.engines import Completion, Engine, RequestLog, SamplingParams, TokenChunk, collect, make_engine
+from rlgate.rollout.engines import Completion, Engine, RequestLog, SamplingParams, TokenChunk, collect, run_engine
 from rlgate.run import NAMESPACE, actor_name
 
 
@@ -36,14 +36,7 @@ from rlgate.run import NAMESPACE, actor_name
 class RolloutServer:
     async def __init__(self, config: dict, model_path: str, initial_version: int = 0) -> None:
         settings = RLGateConfig.model_validate(config)
-        self.engine: Engine = make_engine(
-            model_path,
-            settings.rollout,
-            settings.model.dtype,
-            initial_version,
-            settings.training.lora,
-            settings.model.adapter,
-        )
+        self.engine: Engine = run_engine(settings, model_path, initial_version)
         self.request_log = RequestLog(settings.rollout.request_log_size)
         await self.engine.ready()
         self.replica = serve.get_replica_context().replica_id.unique_id

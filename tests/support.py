@@ -405,3 +405,22 @@ def serve_asgi(app):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def lora_model(reference_model, rank: int, seed: int):
+    """``reference_model`` (copied) with a LoRA adapter of ``rank`` whose B is drawn, not
+    zero, so that it changes the model's outputs."""
+    import copy
+
+    import torch
+
+    from rlgate.config import LoraSettings
+    from rlgate.rollout import lora
+
+    torch.manual_seed(seed)
+    model = lora.attach(copy.deepcopy(reference_model), LoraSettings(rank=rank, alpha=2.0 * rank))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.05)
+    return model.eval()

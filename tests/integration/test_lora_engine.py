@@ -14,7 +14,7 @@ import torch
 from rlgate.config import LoraSettings
 from rlgate.rollout import lora
 from rlgate.rollout.engines import Completion, SamplingParams, collect
-from tests.support import needs_vllm
+from tests.support import lora_model, needs_vllm
 
 pytestmark = needs_vllm
 TOLERANCE = 1e-4  # vLLM's fp32 CPU kernels against PyTorch's (measured 1.7e-5 on tiny-random)
@@ -22,13 +22,7 @@ TOLERANCE = 1e-4  # vLLM's fp32 CPU kernels against PyTorch's (measured 1.7e-5 o
 
 def adapter_model(reference_model, seed: int):
     """tiny-random with a rank-8 adapter of its own (B drawn, not zero)."""
-    torch.manual_seed(seed)
-    model = lora.attach(copy.deepcopy(reference_model), LoraSettings(rank=8, alpha=16.0))
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0, 0.05)
-    return model.eval()
+    return lora_model(reference_model, rank=8, seed=seed)
 
 
 def worst_difference(model, prompt: list[int], completion) -> float:

@@ -19,6 +19,7 @@ from rlgate.rollout import lora
 from rlgate.rollout.engines import SamplingParams, collect
 from rlgate.training.grpo import LossConfig
 from rlgate.training.policy_step import PolicyTrainer, StepSettings, collate, token_logprobs
+from tests.support import lora_model
 
 # float32 on CPU: a merged weight and PEFT's two matmuls differ by rounding only
 TOLERANCE = 1e-5
@@ -27,13 +28,7 @@ TOLERANCE = 1e-5
 @pytest.fixture
 def adapted(reference_model):
     """tiny-random with a rank-4 adapter whose B is not zero (so it changes the model)."""
-    torch.manual_seed(0)
-    model = lora.attach(copy.deepcopy(reference_model), LoraSettings(rank=4, alpha=8.0))
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0, 0.05)
-    return model.eval()
+    return lora_model(reference_model, rank=4, seed=0)
 
 
 def logits(model, ids: list[int]) -> torch.Tensor:

@@ -24,7 +24,7 @@ from rlgate.rollout.engines.base import (
 )
 
 if TYPE_CHECKING:
-    from rlgate.config import LoraSettings
+    from rlgate.config import LoraSettings, RLGateConfig
 
 __all__ = [
     "Completion",
@@ -104,4 +104,16 @@ def make_engine(
         seed=rollout.seed,
         initial_version=initial_version,
         adapter=adapter,
+    )
+
+
+def run_engine(settings: RLGateConfig, model_path: str | Path, initial_version: int = 0) -> Engine:
+    """The engine a run's replica serves: ``[rollout]``'s, with the run's LoRA adapters if it trains them."""
+    return make_engine(
+        model_path,
+        settings.rollout,
+        settings.model.dtype,
+        initial_version,
+        settings.training.lora,
+        settings.model.adapter,
     )
