@@ -287,6 +287,11 @@ class AlgorithmConfig(_Section):
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 
 
+def engine_lora_rank(rank: int) -> int:
+    """vLLM's smallest supported LoRA rank at least ``rank``."""
+    return next(supported for supported in LORA_RANKS if supported >= rank)
+
+
 class LoraSettings(_Section):
     """``[training.lora]``: train a PEFT LoRA adapter instead of every weight."""
 
@@ -305,7 +310,7 @@ class LoraSettings(_Section):
     @property
     def engine_rank(self) -> int:
         """The rank an engine's adapter slots are sized for (vLLM's next supported rank)."""
-        return next(rank for rank in LORA_RANKS if rank >= self.rank)
+        return engine_lora_rank(self.rank)
 
 
 class TrainingConfig(_Section):

@@ -97,7 +97,7 @@ def run_eval(args) -> int:
     if args.backend is not None and args.model is not None:
         raise ValueError("--model is served here; a gateway at --backend serves its own model: give one of them")
     served = serve_model_of(config, args.model) if args.model else config.model.name
-    dataset = driver.load_dataset_task(config)
+    dataset = driver.load_dataset_task(config, training=False)  # every row may be evaluated
     url = args.backend
     local = url is None
     import ray

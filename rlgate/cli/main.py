@@ -223,11 +223,10 @@ def _check_parity(args) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the report readable
     from transformers.utils import logging as hf_logging
 
+    from rlgate.config import LoraSettings
     from rlgate.rollout.parity import failures, run_parity, tolerance_for
 
     hf_logging.disable_progress_bar()
-    from rlgate.config import LoraSettings
-
     lora = LoraSettings(rank=args.lora, alpha=2.0 * args.lora) if args.lora is not None else None
     report = run_parity(
         args.model,

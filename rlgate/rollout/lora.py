@@ -94,6 +94,14 @@ class Adapter:
             out[f"{module}.weight"] = self.scale * (b.float() @ a.float())
         return out
 
+    def deltas_for(self, model) -> dict[str, torch.Tensor]:
+        """:meth:`deltas`, checked against ``model``'s parameters (ValueError naming any it lacks)."""
+        deltas = self.deltas()
+        unknown = sorted(set(deltas) - {name for name, _ in model.named_parameters()})
+        if unknown:
+            raise ValueError(f"the adapter adapts weights this model does not have: {unknown[:3]}")
+        return deltas
+
 
 def merged_model(base: str | Path, adapter: Adapter):
     """The base model in ``base`` (a Hugging Face folder) with ``adapter`` merged into
@@ -103,12 +111,8 @@ def merged_model(base: str | Path, adapter: Adapter):
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     params = dict(model.named_parameters())
-    deltas = adapter.deltas()
-    unknown = sorted(set(deltas) - set(params))
-    if unknown:
-        raise ValueError(f"the adapter adapts weights the model in {base} does not have: {unknown[:3]}")
     with torch.no_grad():
-        for name, delta in deltas.items():
+        for name, delta in adapter.deltas_for(model).items():
             params[name].add_(delta)
     return model
 

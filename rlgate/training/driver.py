@@ -395,8 +395,9 @@ def check_task_app(config: RLGateConfig, key: str | None) -> TaskAppClient | Non
     return app
 
 
-def load_dataset_task(config: RLGateConfig) -> DatasetTask | None:
-    """``[task] dataset`` with its reward function, loaded and checked; None without one."""
+def load_dataset_task(config: RLGateConfig, training: bool = True) -> DatasetTask | None:
+    """``[task] dataset`` with its reward function, loaded and checked; None without one.
+    ``training``: the rows ``[evaluation]`` evaluates are held out of it."""
     task = config.task
     if task.dataset is None:
         return None
@@ -405,7 +406,7 @@ def load_dataset_task(config: RLGateConfig) -> DatasetTask | None:
     except DatasetError as err:
         raise SystemExit(f"rlgate: [task] dataset: {err}") from None
     evaluation = config.evaluation
-    if evaluation.every_n_iters and evaluation.seeds:
+    if training and evaluation.every_n_iters and evaluation.seeds:
         try:
             loaded.hold_out(evaluation.seeds)
         except DatasetError as err:

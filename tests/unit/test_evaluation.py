@@ -141,3 +141,19 @@ def test_a_datasets_evaluation_rows_are_held_out_of_training():
         dataset.hold_out([6])
     with pytest.raises(DatasetError, match="hold out every row; none is left to train on"):
         dataset.hold_out(list(range(6)))
+
+
+def test_rlgate_eval_may_evaluate_every_row_the_training_run_holds_out(tmp_path):
+    """A training config's [evaluation] seeds hold rows out of training; `rlgate eval`
+    loads the same dataset whole, so it may evaluate every row."""
+    from rlgate.training.driver import load_dataset_task
+
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(3)))
+    (tmp_path / "score.py").write_text("def reward(completion, row, messages):\n    return 1.0\n")
+    task = {"dataset": str(tmp_path / "rows.jsonl"), "reward": f"{tmp_path / 'score.py'}:reward"}
+    config = parse_config({"task": task, "evaluation": {"every_n_iters": 1, "seeds": [0, 1]}})
+    assert load_dataset_task(config).held_out == {0, 1}
+    config.evaluation.seeds = [0, 1, 2]
+    with pytest.raises(SystemExit, match="hold out every row"):
+        load_dataset_task(config)
+    assert load_dataset_task(config, training=False).held_out == set()

@@ -72,13 +72,13 @@ def make_engine(
     """
     kind = resolve_engine_kind(rollout.engine)
     if kind == "vllm":
-        from rlgate.config import LoraSettings
+        from rlgate.config import engine_lora_rank
         from rlgate.rollout.engines.vllm import VLLMEngine
         from rlgate.rollout.lora import rank_of
 
         ranks = [lora.rank] if lora is not None else []
         ranks += [rank_of(adapter)] if adapter is not None else []
-        lora_rank = LoraSettings(rank=max(ranks)).engine_rank if ranks else None
+        lora_rank = engine_lora_rank(max(ranks)) if ranks else None
 
         return VLLMEngine(
             model_path,

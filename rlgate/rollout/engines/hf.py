@@ -178,11 +178,8 @@ class HFEngine(Engine):
         they were before any adapter (PEFT's ``merge_and_unload``, one version at a time)."""
         import torch
 
-        deltas = adapter.deltas()
+        deltas = adapter.deltas_for(self.model)
         params = dict(self.model.named_parameters())
-        unknown = sorted(set(deltas) - set(params))
-        if unknown:
-            raise ValueError(f"the adapter adapts weights this model does not have: {unknown[:3]}")
         if self._pristine is None:
             self._pristine = {}
         for name in deltas:
