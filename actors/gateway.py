@@ -10,6 +10,8 @@ TrajectoryStore; the JobManager on first use) and serves
 * ``[gateway] colocate = false``: stateless. Sessions live in the run's
   SessionStore actor and completions come from the RolloutServer deployment
   (a Serve handle): two inter-process calls per turn, any number of replicas.
+  With ``[rollout] pool`` the engines are an engine pool's, shared with other
+  runs, and each request names this run (its adapter serves it).
 * ``colocate = true``: the replica owns an engine (it follows the run's
   PolicyStore like a RolloutServer replica) and its sessions
   (:class:`rlgate.serving.owned.OwnedSessions`, journaled in the run folder);
@@ -43,6 +45,7 @@ from rlgate.actors.session_store import SessionStore, owned_sessions
 from rlgate.actors.trajectory_store import TrajectoryStore
 from rlgate.config import RLGateConfig
 from rlgate.rollout.engines import RequestLog, run_engine
+from rlgate.rollout.pool import pool_name
 from rlgate.run import NAMESPACE, actor_name
 from rlgate.serving import api
 from rlgate.serving.auth import Auth, Slot, refuse_public_bind
@@ -130,7 +133,10 @@ class Gateway:
                 settings, model_path, initial_version, deployment, capacity, trajectories
             )
         else:
-            engine, sessions = EngineClient(rollout), SessionClient(session_store(gateway, capacity, trajectories))
+            if settings.rollout.pool is not None:  # the shared engines, serving this run's adapter
+                rollout = serve.get_deployment_handle("RolloutServer", app_name=pool_name(settings.rollout.pool))
+            engine = EngineClient(rollout, gateway.run_name if settings.rollout.pool is not None else None)
+            sessions = SessionClient(session_store(gateway, capacity, trajectories))
         self.sessions = sessions
         self.service = GatewayService(
             settings,

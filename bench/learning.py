@@ -1,13 +1,19 @@
-"""Learning benchmark: wall-clock to a reward threshold on the demo task,
-rlgate against TRL's ``GRPOTrainer``, in one run, one after the other.
+"""Learning benchmark: wall-clock to a reward threshold, rlgate against TRL's
+``GRPOTrainer``, in one run, one after the other.
 
     python bench/learning.py [--config configs/bench-learning.toml] [--thresholds 0.5 0.7 0.9] [--colocate]
-                             [--json results.json]
+                             [--lora RANK] [--learning-rate LR] [--json results.json]
+    python bench/learning.py --config configs/bench-learning-smollm2.toml [--lora 16]   # the real-model race
 
-Both train the same model on the same task (``[task] builtin``, the demo's
-``vowels``) with the same batch (sessions per step), group size, learning
-rate (constant), clip range, completion length and temperature, no KL, and
-GRPO's sequence-mean-token-mean loss with group mean/std advantages.
+Both train the same model on the same task (the toy mode: ``[task] builtin``,
+the demo's ``vowels`` on tiny-random; the real-model mode: SmolLM2-135M-Instruct
+on ``examples/arithmetic.jsonl`` with its reward function, ``[task] dataset``)
+with the same prompts in the same order, batch (sessions per step), group size,
+learning rate (constant), clip range, completion length and temperature, no
+KL, and GRPO's sequence-mean-token-mean loss with group mean/std advantages.
+``--lora RANK`` trains a LoRA adapter of that rank on both sides (alpha = 2 x
+rank, every linear layer) instead of the whole model; ``--learning-rate``
+replaces the config's on both sides.
 
 * **rlgate**: ``train_driver.py --config ...`` exactly as a user runs it: Ray,
   the gateway and a vLLM engine on Serve, a Ray Train worker, episodes played
@@ -33,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,9 +48,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from rlgate.config import dump_config, load_config  # noqa: E402
+from rlgate.config import LoraSettings, dump_config, load_config  # noqa: E402
 from rlgate.models import prepare_model  # noqa: E402
-from rlgate.training.tasks import get_task  # noqa: E402
+from rlgate.training.dataset_task import dataset_task  # noqa: E402
+from rlgate.training.tasks import Problem, get_task  # noqa: E402
+
+
+def adjusted(config_path: Path, rank: int | None, learning_rate: float | None, folder: Path) -> Path:
+    """The config, with ``[training.lora]`` of ``rank`` (alpha 2 x rank) and the
+    learning rate when given."""
+    if rank is None and learning_rate is None:
+        return config_path
+    config = load_config(config_path)
+    if rank is not None:
+        config.training.lora = LoraSettings(rank=rank, alpha=2.0 * rank)
+    if learning_rate is not None:
+        config.training.learning_rate = learning_rate
+    return dump_config(config, folder / "race.toml")
 
 
 def run_rlgate(config_path: Path, colocate: bool = False) -> dict:
@@ -97,12 +118,17 @@ def trl_worker(config_path: Path, out: Path) -> None:
     plain = (algorithm.advantage, algorithm.aggregation, algorithm.kl_coef, algorithm.entropy_coef)
     if plain != ("grpo", "seq_mean_token_mean", 0, 0):
         raise SystemExit("bench/learning.py compares plain GRPO (variety = grpo, no KL, no entropy bonus) only")
-    task, rng = get_task(config.task.builtin), random.Random(training.seed)
+    spec = config.task
+    if spec.dataset is not None:  # rows and the reward function, as the driver loads them
+        task = dataset_task(spec.dataset, spec.dataset_split, spec.prompt_column, spec.reward)
+    else:
+        task = get_task(config.task.builtin)
+    rng = random.Random(training.seed)  # the driver's order of prompts
     prompts = [task.problem(rng) for _ in range(training.total_steps * training.batch_size // training.group_size)]
-    dataset = Dataset.from_list([{"prompt": p.messages, "problem_id": p.id} for p in prompts])
+    dataset = Dataset.from_list([{"prompt": p.messages, "problem": json.dumps(asdict(p))} for p in prompts])
 
-    def reward(completions, **_) -> list[float]:
-        return [task.reward(None, c[0]["content"]) for c in completions]
+    def reward(completions, problem, **_) -> list[float]:
+        return [task.reward(Problem(**json.loads(p)), c[0]["content"]) for c, p in zip(completions, problem)]
 
     steps: list[dict] = []
     timing: dict = {}
@@ -141,6 +167,18 @@ def trl_worker(config_path: Path, out: Path) -> None:
         seed=training.seed,
         disable_tqdm=True,
     )
+    peft_config = None
+    if training.lora is not None:
+        from peft import LoraConfig
+
+        lora = training.lora
+        peft_config = LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
         processing_class=AutoTokenizer.from_pretrained(path),
@@ -148,6 +186,7 @@ def trl_worker(config_path: Path, out: Path) -> None:
         args=args,
         train_dataset=dataset,
         callbacks=[Clock()],
+        peft_config=peft_config,
     )
     trainer.train()
     out.write_text(json.dumps({"first_rollout": timing["first_rollout"], "steps": steps}))
@@ -201,6 +240,8 @@ def main() -> int:
         action="store_true",
         help="also run rlgate with the engine in the gateway ([gateway] colocate, episodes on its direct_port)",
     )
+    parser.add_argument("--lora", type=int, metavar="RANK", help="train a LoRA adapter of this rank on both sides")
+    parser.add_argument("--learning-rate", type=float, help="instead of the config's, on both sides")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -210,11 +251,12 @@ def main() -> int:
         return 0
 
     with tempfile.TemporaryDirectory(prefix="rlgate-bench-learning-") as folder:
-        results = {"rlgate": run_rlgate(args.config)}
+        config = adjusted(args.config, args.lora, args.learning_rate, Path(folder))
+        results = {"rlgate": run_rlgate(config)}
         if args.colocate:
-            results["rlgate-colocated"] = run_rlgate(args.config, colocate=True)
+            results["rlgate-colocated"] = run_rlgate(config, colocate=True)
         if importlib.util.find_spec("trl") is not None:
-            results["trl"] = run_trl(args.config, Path(folder))
+            results["trl"] = run_trl(config, Path(folder))
         else:
             print("TRL is not installed (pip install -e '.[bench]', or make bench): rlgate alone", flush=True)
     report(results, args.thresholds)

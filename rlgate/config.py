@@ -64,6 +64,13 @@ class RolloutConfig(_Section):
         description="vLLM with [training.lora]: adapters one batch may mix (requests finishing on an older "
         "version beside new ones); more wait their turn.",
     )
+    pool: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="Share the engines of this named pool with other runs on the same base model, each run "
+        "training and serving its own LoRA adapter (vLLM, [training.lora]). The first run to join deploys "
+        "the pool with its [rollout] settings; the last to leave deletes it.",
+    )
     max_ongoing_requests: int = Field(
         512, ge=1, le=100_000, description="Requests one replica's engine works on at once; more wait in a queue."
     )
@@ -574,6 +581,15 @@ class RLGateConfig(_Section):
                 'compute.strategy "fsdp" trains the full model; a LoRA adapter trains on "ddp" workers '
                 "(its frozen base is not sharded yet)"
             )
+        if self.rollout.pool is not None:
+            if self.training.lora is None:
+                raise ValueError("rollout.pool: an engine pool's runs each train a LoRA adapter; set [training.lora]")
+            if self.rollout.engine == "hf":
+                raise ValueError('rollout.pool: an engine pool serves its runs\' adapters on vLLM; not engine "hf"')
+            if self.gateway.colocate:
+                raise ValueError(
+                    "rollout.pool: a pool's engines are shared, not colocated; set [gateway] colocate = false"
+                )
         if self.task.dataset is not None and self.services.task_url is not None:
             raise ValueError("set one of [task] dataset and [services] task_url (a task app), not both")
         return self

@@ -26,10 +26,14 @@ from typing import NamedTuple
 
 from ray.serve import Application
 
+from rlgate.actors.engine_pool import join_pool, leave_pool
 from rlgate.actors.gateway import Gateway
+from rlgate.actors.policy_store import get_or_create_policy_store
 from rlgate.actors.rollout_server import RolloutServer
 from rlgate.config import RLGateConfig, load_config
 from rlgate.models import BUILTIN_DTYPES, prepare_model
+from rlgate.rollout.pool import PoolRefused, PoolSpec, TenantInfo
+from rlgate.run import NAMESPACE, actor_name
 from rlgate.serving.auth import AdminKeyRefused, is_weak, refuse_public_bind
 from rlgate.serving.routing import router_config, serve_start_options
 from rlgate.sessions.manager import hash_key, new_key
@@ -102,15 +106,33 @@ def _settings(config: RLGateConfig) -> dict:
     return settings
 
 
-def build_rollout_app(config: RLGateConfig, initial_version: int = 0) -> Application:
-    """The RolloutServer deployment alone (no HTTP): engines behind a Serve handle."""
+def build_rollout_app(config: RLGateConfig, initial_version: int = 0, pool: str | None = None) -> Application:
+    """The RolloutServer deployment alone (no HTTP): engines behind a Serve handle;
+    ``pool``: the engines of that engine pool, serving its runs' adapters."""
     bundle = replica_bundle(config)  # [compute] placement = "split" adds the rlgate_rollout resource
+    settings = _settings(config)
+    if pool is not None:  # a run's own adapter is its tenant's, not the engines'
+        settings["model"]["adapter"] = None
     return RolloutServer.options(
         num_replicas=config.rollout.replicas,
         max_ongoing_requests=config.rollout.max_ongoing_requests,  # per replica, then
         max_queued_requests=config.rollout.max_queued_requests,  # per caller, then BackPressureError (503)
         ray_actor_options={"num_cpus": bundle.cpus, "num_gpus": bundle.gpus, "resources": bundle.custom()},
-    ).bind(_settings(config), resolve_model(config), initial_version)
+    ).bind(settings, resolve_model(config), initial_version, pool)
+
+
+def join_engine_pool(config: RLGateConfig, initial_version: int = 0) -> PoolSpec:
+    """Join the run to its ``[rollout] pool`` (needs Ray): its PolicyStore made first
+    (the pool's replicas follow it), then the pool deployed if it is not running;
+    :class:`rlgate.rollout.pool.PoolRefused` says why a run cannot join."""
+    gateway, pool = config.gateway, config.rollout.pool
+    run_dir = Path(gateway.run_dir, gateway.run_name).resolve()
+    name = actor_name(gateway.run_name, "policy")
+    get_or_create_policy_store(name, NAMESPACE, initial_version, str(run_dir / "policy.json"))
+    spec = PoolSpec.of(config, resolve_model(config))
+    tenant = TenantInfo(initial_version, config.model.adapter)
+    state = Path(gateway.run_dir).resolve() / "pools" / f"{pool}.json"
+    return join_pool(config, spec, tenant, build_rollout_app(config, pool=pool), str(state))
 
 
 def build_app(
@@ -135,7 +157,8 @@ def build_app(
         )
         args = (_settings(config), resolve_model(config), admin_key_hash, initial_version, deployment)
         return gateway.bind(None, *args, key_fit_for_public)
-    engines = build_rollout_app(config, initial_version)
+    # in an engine pool the Gateway finds the pool's engines by name (joined first: join_engine_pool)
+    engines = build_rollout_app(config, initial_version) if config.rollout.pool is None else None
     gateway = Gateway.options(
         num_replicas=config.gateway.replicas, ray_actor_options={"num_cpus": 0}, logging_config=no_access_log
     )
@@ -146,6 +169,8 @@ def build_app(
 def app_builder(args: dict) -> Application:
     """Entry point for ``serve run serve_app:app`` (or ``rlgate.serving.app:app``) and Serve YAML ``import_path``."""
     config = load_config(args.get("config") or os.environ.get("RLGATE_CONFIG") or DEFAULT_CONFIG)
+    if config.rollout.pool is not None:
+        raise ValueError("[rollout] pool: serve it with `rlgate serve` or a training run, which join the pool first")
     key = admin_key(serve_http_host())  # the proxies' real address, not the TOML's [gateway] host
     if key.generated:
         print(f"rlgate: admin key (shown once): {key.value}", file=sys.stderr, flush=True)
@@ -182,6 +207,11 @@ def main() -> None:
     ray.init(address=os.environ.get("RAY_ADDRESS"))
     # agents use the head; its proxy routes each session's requests to the replica that owns it
     serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port}, **serve_start_options())
+    if config.rollout.pool is not None:
+        try:
+            join_engine_pool(config)
+        except PoolRefused as refused:
+            raise SystemExit(f"rlgate: {refused}") from None
     app = build_app(config, hash_key(key.value), key_fit_for_public=key.fit_for_public)
     serve.run(app, name="rlgate", route_prefix="/")
     url = f"http://{host}:{port}"
@@ -189,6 +219,8 @@ def main() -> None:
     if key.generated:
         print(f"rlgate: admin key (shown once; set RLGATE_ADMIN_KEY to choose it): {key.value}", flush=True)
     stop.wait()
+    if config.rollout.pool is not None:
+        leave_pool(config.rollout.pool, config.gateway.run_name)
     serve.shutdown()
 
 

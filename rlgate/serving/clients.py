@@ -93,14 +93,16 @@ _ENGINE_FAILURES = (RayTaskError, RayActorError, RuntimeError, BackPressureError
 
 
 class EngineClient:
-    """The RolloutServer deployment (``rlgate.actors.rollout_server``), through its Serve handle."""
+    """The RolloutServer deployment (``rlgate.actors.rollout_server``), through its Serve handle;
+    ``tenant``: in an engine pool, the run whose adapter serves every request."""
 
-    def __init__(self, handle) -> None:
+    def __init__(self, handle, tenant: str | None = None) -> None:
         self.handle = handle
+        self.extra = {"tenant": tenant} if tenant is not None else {}
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator:
         """Engine chunks as they are produced, for streaming responses."""
-        chunks = self.handle.options(stream=True).generate.remote(prompt_ids, params.model_dump())
+        chunks = self.handle.options(stream=True).generate.remote(prompt_ids, params.model_dump(), **self.extra)
         try:
             async for chunk in chunks:
                 yield chunk
@@ -110,12 +112,12 @@ class EngineClient:
     async def generate_all(self, prompt_ids: list[int], params: SamplingParams) -> list:
         """Whole completions in one engine reply, for non-streaming responses."""
         try:
-            return await self.handle.generate_all.remote(prompt_ids, params.model_dump())
+            return await self.handle.generate_all.remote(prompt_ids, params.model_dump(), **self.extra)
         except _ENGINE_FAILURES as err:
             raise engine_error(err) from None
 
     async def health(self) -> dict:
-        return await self.handle.health.remote()
+        return await self.handle.health.remote(**self.extra)
 
 
 class LocalEngine:

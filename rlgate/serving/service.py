@@ -363,6 +363,7 @@ class GatewayService:
                 versions=c.versions,
                 finish_reason=c.finish_reason,
                 temperature=params.temperature,
+                adapter=c.adapter,
             )
             for c in completions
         ]

@@ -127,6 +127,7 @@ class Turn:
             parent=self.parent_id,
             key=extend_key(self.messages_key, message),
             temperature=self.params.temperature,  # as sampled (after the engines' floors)
+            adapter=completion.adapter,
         )
 
     def _finish_reason(self, completion, calls) -> str:

@@ -47,6 +47,7 @@ class Interaction:
     temperature: float = 1.0  # the sampling temperature: behaviour logprobs are of softmax(logits / temperature)
     key: str | None = None  # hash of (tools, messages + the returned assistant message), for continuations
     created_at: float = field(default_factory=time.time)
+    adapter: str | None = None  # the LoRA adapter that served it (``v<version>``; a pool run's ``<run>-v<version>``)
 
     def __post_init__(self) -> None:
         if not (len(self.completion_ids) == len(self.logprobs) == len(self.versions)):
@@ -79,6 +80,7 @@ class TrajectoryRecord(TypedDict):
     temperatures: list[float]
     failed: bool
     end_reason: str  # ended, failed, expired, refreshed, restart, ...
+    adapters: NotRequired[list[str | None]]  # per interaction listed: the LoRA adapter that served it
     group_size: NotRequired[int]  # the group the session started in, when it said
     seq: NotRequired[int]  # its place in the log, from 1, gap-free
 
@@ -102,6 +104,7 @@ class Sample:
     ended_at: float
     temperatures: list[float] = field(default_factory=list)  # per token: sampling temperature (1.0 elsewhere)
     failed: bool = False  # the episode failed (e.g. its environment errored): a marker, nothing to train on
+    adapters: list[str | None] = field(default_factory=list)  # per interaction listed: the LoRA adapter that served it
 
     def record(self, end_reason: str, group_size: int | None = None) -> TrajectoryRecord:
         """This sample as the log keeps it (fields are flat: no deep copy)."""
@@ -243,6 +246,7 @@ class SessionTrajectory:
             versions=[NO_VERSION] * prompt + interaction.versions,
             temperatures=[1.0] * prompt + [interaction.temperature] * len(interaction.completion_ids),
             finish_reasons=[interaction.finish_reason],
+            adapters=[interaction.adapter],
             created_at=interaction.created_at,
             ended_at=ended,
         )
@@ -278,6 +282,7 @@ class SessionTrajectory:
             temperatures=temperatures,
             versions=versions,
             finish_reasons=[step.finish_reason for step in path],
+            adapters=[step.adapter for step in path],
             created_at=path[0].created_at,
             ended_at=ended,
         )

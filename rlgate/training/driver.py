@@ -35,8 +35,10 @@ import ray
 from pydantic import ValidationError
 from ray import serve
 
+from rlgate.actors.engine_pool import leave_pool
 from rlgate.actors.trainer import TrainerWorkers
 from rlgate.config import ConfigError, RLGateConfig, dump_config, load_config
+from rlgate.rollout.pool import PoolRefused
 from rlgate.run import (
     ADAPTER,
     INHERITED_STATE,
@@ -50,7 +52,7 @@ from rlgate.run import (
     get_actor,
 )
 from rlgate.sdk.taskapp import TaskAppClient, TaskAppError, environment_key
-from rlgate.serving.app import AdminKey, AdminKeyRefused, admin_key, build_app, resolve_model
+from rlgate.serving.app import AdminKey, AdminKeyRefused, admin_key, build_app, join_engine_pool, resolve_model
 from rlgate.serving.routing import serve_start_options
 from rlgate.sessions.manager import hash_key, new_key
 from rlgate.sessions.trajectory_files import last_seq
@@ -174,6 +176,8 @@ def wait_until_placeable(config: RLGateConfig, gpus: float, run_dir: Path) -> No
     problem = unplaceable(bundles, cluster_nodes(len(bundles)))
     if problem:
         raise SystemExit(f"rlgate: {problem}")
+    if config.rollout.pool is not None:  # the pool's engines are shared: running already, or deployed on joining
+        bundles = [bundle for bundle in bundles if bundle.role == "trainer"]
     try:
         wait_for_room(bundles, config.jobs.start_timeout_s, lambda reason: note_waiting(run_dir, reason))
     except RuntimeError as err:
@@ -286,6 +290,8 @@ def finish(config: RLGateConfig, log: RunLog, progress: Progress, started_serve:
         + (f", reward curve {plot}" if plot else "")
     )
     serve.delete(app_name(config.gateway.run_name, config.gateway.route_prefix))
+    if config.rollout.pool is not None:  # the last run to leave deletes the pool
+        leave_pool(config.rollout.pool, config.gateway.run_name)
     if started_serve and not serve.status().applications:
         serve.shutdown()
 
@@ -336,6 +342,11 @@ def serve_gateway(config: RLGateConfig, version: int, key: AdminKey) -> tuple[st
         serve.start(proxy_location="HeadOnly", http_options=http, logging_config=quiet, **serve_start_options())
     else:
         host, port = running.http_config.host, running.http_config.port
+    if config.rollout.pool is not None:  # the shared engines first: the gateway calls them by name
+        try:
+            join_engine_pool(config, version)
+        except PoolRefused as refused:
+            raise SystemExit(f"rlgate: {refused}") from None
     app = build_app(config, hash_key(key.value), initial_version=version, key_fit_for_public=key.fit_for_public)
     serve.run(app, name=app_name(config.gateway.run_name, prefix), route_prefix=prefix, logging_config=quiet)
     address = "127.0.0.1" if host in ("0.0.0.0", "::") else host

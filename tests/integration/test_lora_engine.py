@@ -79,3 +79,39 @@ async def test_what_a_lora_engine_refuses_says_why(lora_engine, reference_model,
         await lora_engine.update_weights(lora.adapter_of(wide), version=9)
     with pytest.raises(ValueError, match="older than the served version"):
         await lora_engine.update_weights(lora.adapter_of(adapter_model(reference_model, 3)), version=0)
+
+
+async def test_tenants_of_one_engine_are_each_served_by_their_own_adapter(
+    lora_engine, reference_model, prompts, tmp_path
+):
+    """An engine pool's engine: runs a and b each get their own adapter and version
+    (b starts from a folder, as a resumed run does), requests of both in one batch,
+    and a run dropped from the pool loses its adapter and is refused."""
+    from rlgate.rollout.engines.vllm import Tenant, UnknownTenant
+
+    ours, theirs = adapter_model(reference_model, 4), adapter_model(reference_model, 5)
+    lora.adapter_of(theirs).write(tmp_path / "resumed")
+    await lora_engine.add_tenant("a", 0)
+    await lora_engine.add_tenant("b", 3, tmp_path / "resumed")
+    await Tenant(lora_engine, "a").update_weights(lora.adapter_of(ours), 1)
+    assert lora_engine.tenants() == {"a": 1, "b": 3} and Tenant(lora_engine, "b").version == 3
+    assert {"a-v1", "b-v3"} <= set(lora_engine.adapters_loaded())
+
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
+    requests = [lora_engine.generate(prompts[i], params, tenant=run) for i, run in enumerate("abab")]
+    done = await asyncio.gather(*(collect(r) for r in requests))  # the four in one batch
+    for i, ((completion,), run) in enumerate(zip(done, "abab")):
+        model, name, version = (ours, "a-v1", 1) if run == "a" else (theirs, "b-v3", 3)
+        assert completion.adapter == name and set(completion.versions) == {version}
+        assert worst_difference(model, prompts[i], completion) < TOLERANCE  # its own adapter, not the other's
+    (own,) = await collect(lora_engine.generate(prompts[0], params))
+    assert own.adapter == f"v{lora_engine.version}"  # the engine's own run is a tenant apart
+
+    with pytest.raises(ValueError, match="older than the served version 3"):
+        await Tenant(lora_engine, "b").update_weights(lora.adapter_of(ours), 2)
+    await lora_engine.drop_tenant("b")
+    assert "b-v3" not in lora_engine.adapters_loaded() and (tmp_path / "resumed").is_dir()  # not ours to delete
+    with pytest.raises(UnknownTenant, match="run 'b' is not served by this engine pool"):
+        await collect(lora_engine.generate(prompts[0], params, tenant="b"))
+    await lora_engine.drop_tenant("a")
+    assert lora_engine.tenants() == {}

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlgate.models import prepare_model
+from rlgate.rollout.pool import PREFIX as POOL_PREFIX
 from tests.support import ROOT, free_port, lines
 
 VOWELS_REWARD = """
@@ -28,6 +30,10 @@ def reward(completion, row, messages):
     letters = [c for c in completion.lower() if c.isalpha()]
     return sum(c in row["letters"] for c in letters) / len(letters) if letters else 0.0
 """
+
+
+POOL_STEPS = 16
+RUNS = {"a": "abcdefghijklm", "b": "nopqrstuvwxyz"}  # opposite rewards: crossing adapters would show
 
 
 def vowels_dataset(tmp_path) -> str:
@@ -566,3 +572,63 @@ def test_two_fsdp_workers_train_exact_weights_and_resume_their_sharded_optimizer
     assert [e["step"] for e in evaluations] == sorted({e["step"] for e in evaluations})
     assert {m["eval_step"] for m in metrics if "eval_step" in m} <= {e["step"] for e in evaluations}
     assert all(set(e["seeds"][0]["pass_at"]) == {"1", "2"} for e in evaluations)
+
+
+def test_two_runs_share_one_engine_each_training_and_served_by_its_own_adapter(tmp_path, joined):
+    """[rollout] pool: two runs at once on one engine replica, with opposite rewards
+    (letters from the first half of the alphabet; from the second), so an adapter
+    serving the other run would drag its reward down. Each learns; every token of
+    each is sampled by its own run's adapter (the trainer's base + adapter logprobs
+    are the engine's, and the records name the adapter); a run asking for other
+    engines is refused with the reason; the pool goes when the last run leaves."""
+    from ray import serve
+
+    def pool_config(run: str, letters: str, rank: int = 8) -> Path:
+        folder = tmp_path / run
+        folder.mkdir()
+        topics = ["the sea", "a cat", "music", "rain", "a garden", "the moon"]
+        rows = [{"prompt": f"Say something about {topic}.", "letters": letters} for topic in topics]
+        (folder / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        (folder / "letters_reward.py").write_text(VOWELS_REWARD)
+        task = f'dataset = "{folder / "rows.jsonl"}"\nreward = "{folder / "letters_reward.py"}:reward"'
+        path = config(folder, total_steps=POOL_STEPS, save_every=100, task=task)
+        text = re.sub(r"\nport = \d+\n", f"\nport = {joined.port}\n", path.read_text())
+        text = text.replace('run_name = "e2e"', f'run_name = "{run}"\nroute_prefix = "/{run}"')
+        text = text.replace(f'run_dir = "{folder / "runs"}"', f'run_dir = "{tmp_path / "runs"}"')
+        text = text.replace("[rollout]\n", '[rollout]\npool = "shared"\n').replace("3e-3", "8e-2")
+        text = text.replace("batch_size = 8\ngroup_size = 4", "batch_size = 16\ngroup_size = 8")
+        text = text.replace("max_tokens = 12", "max_tokens = 4")
+        path.write_text(text + f"[training.lora]\nrank = {rank}\nalpha = 16\n")
+        return path
+
+    drivers = {run: start_driver(pool_config(run, letters), env=joined.env) for run, letters in RUNS.items()}
+    deadline = time.monotonic() + 300
+    while f"{POOL_PREFIX}shared" not in serve.status().applications:  # deployed by the first run to join
+        assert time.monotonic() < deadline and all(d.poll() is None for d in drivers.values())
+        time.sleep(1.0)
+    engines = serve.get_app_handle(f"{POOL_PREFIX}shared")
+    while set(engines.tenant_versions.remote().result()) != set(RUNS):  # one replica serving both at once
+        assert time.monotonic() < deadline and all(d.poll() is None for d in drivers.values())
+        time.sleep(1.0)
+    wider = train(pool_config("c", "aeiou", rank=16), env=joined.env)  # engines of rank 8 cannot serve it
+    assert wider.returncode == 1 and "gateway at" not in wider.stdout
+    assert "rlgate: run 'c' cannot share engine pool 'shared': it asks for LoRA rank up to 16 (the pool's " in (
+        wider.stderr
+    )
+    for run, driver in drivers.items():
+        output, _ = driver.communicate(timeout=900)
+        assert driver.returncode == 0, f"run {run}:\n{output[-4000:]}"
+    assert f"{POOL_PREFIX}shared" not in serve.status().applications  # the last run to leave deleted the pool
+
+    for run in RUNS:
+        folder = tmp_path / "runs" / run
+        metrics = lines(folder / "metrics.jsonl")
+        assert [m["version"] for m in metrics] == list(range(1, POOL_STEPS + 1))
+        for m in metrics:  # sampled by exactly the adapter its trainer held; the other run's, trained
+            assert m["train_logprob_mismatch_max"] < 1e-3, (run, m)  # the other way, would be nats off
+        records = [r for f in sorted((folder / "trajectories").glob("*.jsonl")) for r in lines(f)]
+        for record in records:  # each turn names the adapter that served it: this run's, at its version
+            (version,) = {v for m, v in zip(record["loss_mask"], record["versions"]) if m}
+            assert record["adapters"] == [f"{run}-v{version}" if version else None], record["adapters"]
+        rewards = [m["reward_mean"] for m in metrics]
+        assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.25, (run, rewards)  # it learnt its own task

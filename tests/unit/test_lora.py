@@ -50,6 +50,29 @@ def test_the_lora_section_reads_as_toml_gives_it_and_says_what_is_wrong():
         parse_config({"training": {"lora": {}}, "compute": {"strategy": "fsdp"}})
 
 
+def test_an_engine_pool_takes_runs_that_ask_for_its_engines_and_says_why_not_others():
+    from rlgate.rollout.pool import PoolSpec, pool_name
+
+    lora8 = {"training": {"lora": {"rank": 8}}}
+    first = parse_config({**lora8, "rollout": {"pool": "shared"}})
+    spec = PoolSpec.of(first, "/models/tiny")
+    assert spec.lora_rank == 8 and spec.replicas == 1 and pool_name("shared") == "enginepool-shared"
+    assert spec.refusal(PoolSpec.of(parse_config({"training": {"lora": {"rank": 4}}}), "/models/tiny")) is None
+    wider = parse_config({"training": {"lora": {"rank": 12}}, "rollout": {"replicas": 2}})
+    assert spec.refusal(PoolSpec.of(wider, "/models/other")) == (
+        "model '/models/other' (the pool's is '/models/tiny'); replicas 2 (the pool's is 1); "
+        "LoRA rank up to 16 (the pool's engines take up to 8)"
+    )
+    for bad, why in [
+        ({"rollout": {"pool": "p"}}, r"rollout\.pool: an engine pool's runs each train a LoRA adapter"),
+        ({**lora8, "rollout": {"pool": "p", "engine": "hf"}}, r"adapters on vLLM; not engine \"hf\""),
+        ({**lora8, "rollout": {"pool": "p"}, "gateway": {"colocate": True}}, r"set \[gateway\] colocate = false"),
+        ({**lora8, "rollout": {"pool": "a pool"}}, r"rollout\.pool: String should match pattern"),
+    ]:
+        with pytest.raises(ConfigError, match=why):
+            parse_config(bad)
+
+
 def test_an_adapter_written_here_is_the_adapter_peft_loads(adapted, reference_model, tmp_path, prompts):
     from peft import PeftModel
 

@@ -78,7 +78,8 @@ class TokenChunk:
     distribution it was sampled from (after temperature, top-k and top-p);
     ``versions[i]`` is the policy version whose weights produced it.
     ``finish_reason`` is set on the last chunk of a completion only;
-    ``stop_reason`` is the stop string or token id that ended it, if any.
+    ``stop_reason`` is the stop string or token id that ended it, if any;
+    ``adapter`` names the LoRA adapter that produced it (None: the model's own weights).
     """
 
     index: int
@@ -88,6 +89,7 @@ class TokenChunk:
     top_logprobs: list[dict[int, float]] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    adapter: str | None = None
 
 
 @dataclass
@@ -101,9 +103,11 @@ class Completion:
     top_logprobs: list[dict[int, float]] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    adapter: str | None = None
 
     def add(self, chunk: TokenChunk) -> None:
         """Append a chunk of this completion."""
+        self.adapter = chunk.adapter
         self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs
         self.versions += chunk.versions

@@ -15,6 +15,11 @@ instead: each pushed :class:`rlgate.rollout.lora.Adapter` becomes a
 ``LoRARequest`` (``v<version>``) without a pause; requests finish on the
 adapter they started with (their tokens carry its version), new requests take
 the newest, and an adapter no request uses any more is unloaded.
+
+An engine of a shared pool (``[rollout] pool``) serves several runs' adapters at
+once: each run is a *tenant* with its own newest adapter and version
+(``<run>-v<version>``), and a request names its tenant. :class:`Tenant` is one
+run's view of the engine, what its :class:`PolicyFollower` keeps up to date.
 """
 
 from __future__ import annotations
@@ -133,7 +138,9 @@ class VLLMEngine(Engine):
         elif adapter is not None:
             raise ValueError("an adapter needs an engine started for LoRA (lora_rank)")
         self.lora_rank, self._initial_adapter = lora_rank, adapter
-        self._lora = None  # the LoRARequest new requests get (None: the base model)
+        # tenant (None: the engine's own run) -> the LoRARequest its new requests get (absent: the base model)
+        self._newest: dict[str | None, object] = {}
+        self._tenant_versions: dict[str, int] = {}  # a pool's tenants' versions (the engine's own: self.version)
         self._lora_users: dict[int, int] = {}  # adapter id -> requests using it
         self._loras: dict[int, object] = {}  # adapter id -> its LoRARequest
         self._last_lora_id = 0  # ids only go up: vLLM never sees one reused
@@ -219,14 +226,22 @@ class VLLMEngine(Engine):
         )
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, whole: bool = False
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        whole: bool = False,
+        tenant: str | None = None,
     ) -> AsyncIterator[TokenChunk]:
+        """As :meth:`Engine.generate`; ``tenant``: the pool run whose adapter serves it."""
         from vllm.inputs import tokens_input
 
         params = self.check_request(prompt_ids, params)
         request_id = request_id or uuid.uuid4().hex
         # On a LoRA engine a request keeps the adapter it starts with (or the base model), and its version.
-        lora, version = self._lora, (self.version if self.lora_rank is not None else None)
+        version = self.tenant_version(tenant) if self.lora_rank is not None else None
+        lora = self._newest.get(tenant)
+        adapter = lora.lora_name if lora is not None else None
         if lora is not None:
             self._lora_users[lora.lora_int_id] += 1
         stream = self.llm.generate(
@@ -243,6 +258,7 @@ class VLLMEngine(Engine):
                 async for output in stream:
                     for completion in output.outputs:
                         chunk = self._to_chunk(completion, params.top_logprobs, version)
+                        chunk.adapter = adapter
                         # with an adapter, its version (the base weights never change); whole: when
                         # finished, every token's version from vLLM's weight-version spans
                         if whole and version is None:
@@ -309,10 +325,11 @@ class VLLMEngine(Engine):
 
     # --- LoRA adapters ----------------------------------------------------------
 
-    async def update_weights(self, weights, version: int) -> WeightUpdateReport:
+    async def update_weights(self, weights, version: int, tenant: str | None = None) -> WeightUpdateReport:
         """A full state dict (or its file) as in :class:`Engine`; on an engine started
         for LoRA, an :class:`rlgate.rollout.lora.Adapter`, served from now on with no
-        pause (requests in flight finish on the adapter they started with)."""
+        pause (requests in flight finish on the adapter they started with), to
+        ``tenant``'s requests when given (a pool's run), else to the engine's own."""
         from rlgate.rollout.lora import Adapter
 
         if not isinstance(weights, Adapter):
@@ -324,34 +341,72 @@ class VLLMEngine(Engine):
         if weights.rank > self.lora_rank:
             raise ValueError(f"the adapter's rank {weights.rank} is above the engine's LoRA rank {self.lora_rank}")
         async with self._update_lock:
-            if version < self.version:
-                raise ValueError(f"version {version} is older than the served version {self.version}")
+            served = self.tenant_version(tenant)
+            if version < served:
+                raise ValueError(f"version {version} is older than the served version {served}")
             started = asyncio.get_running_loop().time()
-            folder = await asyncio.to_thread(weights.write, self._lora_dir / f"v{version}-{uuid.uuid4().hex[:8]}")
-            await self._add_adapter(folder, version)
+            name = adapter_name(tenant, version)
+            folder = await asyncio.to_thread(weights.write, self._lora_dir / f"{name}-{uuid.uuid4().hex[:8]}")
+            await self._add_adapter(folder, version, tenant)
             seconds = asyncio.get_running_loop().time() - started
         return WeightUpdateReport(version=version, seconds=seconds, tensors=len(weights.tensors))
 
-    async def _add_adapter(self, folder: Path, version: int) -> None:
+    def tenant_version(self, tenant: str | None) -> int:
+        """The version ``tenant``'s new requests get (None: the engine's own run)."""
+        if tenant is None:
+            return self.version
+        try:
+            return self._tenant_versions[tenant]
+        except KeyError:
+            raise UnknownTenant(f"run {tenant!r} is not served by this engine pool (not joined, or gone)") from None
+
+    def tenants(self) -> dict[str, int]:
+        """The pool runs this engine serves, with each one's version."""
+        return dict(self._tenant_versions)
+
+    async def add_tenant(self, tenant: str, version: int, adapter: str | Path | None = None) -> None:
+        """Serve ``tenant`` from now on, at ``version``: with ``adapter`` (a PEFT
+        folder, e.g. its resumed checkpoint's), else the base model. Idempotent."""
+        if self.lora_rank is None:
+            raise ValueError("an engine pool's engine serves LoRA adapters; this one was started without")
+        async with self._update_lock:
+            if tenant in self._tenant_versions:
+                return
+            self._tenant_versions[tenant] = version
+            if adapter is not None:
+                await self._add_adapter(Path(adapter), version, tenant)
+
+    async def drop_tenant(self, tenant: str) -> None:
+        """Stop serving ``tenant``; its adapters are unloaded once no request uses them."""
+        async with self._update_lock:
+            self._tenant_versions.pop(tenant, None)
+            self._newest.pop(tenant, None)
+        await self._unload_unused()
+
+    async def _add_adapter(self, folder: Path, version: int, tenant: str | None = None) -> None:
         from vllm.lora.request import LoRARequest
 
         self._last_lora_id += 1
-        request = LoRARequest(f"v{version}", self._last_lora_id, str(folder))
+        request = LoRARequest(adapter_name(tenant, version), self._last_lora_id, str(folder))
         if not await self.llm.add_lora(request):
             raise RuntimeError(f"vLLM did not load the LoRA adapter at {folder}")
         # known only once loaded, and made the newest at once (no await between): an unload running
         # meanwhile never sees it unused and not the newest
         self._loras[request.lora_int_id], self._lora_users[request.lora_int_id] = request, 0
-        self._lora, self.version = request, version
+        self._newest[tenant] = request
+        if tenant is None:
+            self.version = version
+        else:
+            self._tenant_versions[tenant] = version
         await self._unload_unused()
 
     async def _unload_unused(self) -> None:
-        """Unload the adapters no request uses that are not the newest. Only the newest is
-        handed to new requests, so an older one with no user never gains one again."""
+        """Unload the adapters no request uses that are not a tenant's newest. Only the
+        newest is handed to new requests, so an older one with no user never gains one again."""
         async with self._unloading:
+            newest = {request.lora_int_id for request in self._newest.values()}
             for lora_id in list(self._lora_users):
-                newest = self._lora is not None and lora_id == self._lora.lora_int_id
-                if self._lora_users.get(lora_id) != 0 or newest:
+                if self._lora_users.get(lora_id) != 0 or lora_id in newest:
                     continue
                 del self._lora_users[lora_id]
                 folder = Path(self._loras.pop(lora_id).lora_path)
@@ -360,7 +415,7 @@ class VLLMEngine(Engine):
                     shutil.rmtree(folder, ignore_errors=True)
 
     def adapters_loaded(self) -> list[str]:
-        """The adapters this engine holds (``v<version>``), oldest first."""
+        """The adapters this engine holds (``v<version>``, a tenant's ``<run>-v<version>``), oldest first."""
         return [request.lora_name for _, request in sorted(self._loras.items())]
 
     async def _set_paused(self, paused: bool) -> None:
@@ -445,3 +500,28 @@ class VLLMEngine(Engine):
 
     async def weight_checksum(self) -> float:
         return (await self.llm.collective_rpc("rlgate_weight_checksum"))[0]
+
+
+class UnknownTenant(RuntimeError):
+    """A request for a run the engine pool does not serve."""
+
+
+def adapter_name(tenant: str | None, version: int) -> str:
+    """The name an adapter is served under: ``v<version>``, in a pool ``<run>-v<version>``
+    (vLLM's prefix cache keys on it, so two runs' adapters never share cached blocks)."""
+    return f"v{version}" if tenant is None else f"{tenant}-v{version}"
+
+
+class Tenant:
+    """One pool run's view of a :class:`VLLMEngine`: its version and its pushes,
+    as a :class:`rlgate.actors.policy_store.PolicyFollower` uses an engine."""
+
+    def __init__(self, engine: VLLMEngine, run: str) -> None:
+        self.engine, self.run = engine, run
+
+    @property
+    def version(self) -> int:
+        return self.engine.tenant_version(self.run)
+
+    async def update_weights(self, weights, version: int) -> WeightUpdateReport:
+        return await self.engine.update_weights(weights, version, tenant=self.run)
