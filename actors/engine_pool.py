@@ -9,8 +9,9 @@ run asks for the same engines) and as it ends (``leave``: the last run to
 leave deletes the application), and by every pool replica (``tenants``
 long-polls the runs). Owns: the pool's spec and its runs (each one's starting
 version and adapter), written to ``state_path`` at each change and read back
-when Ray restarts it. A run whose PolicyStore is gone (its run ended without
-leaving, e.g. its driver was killed) is dropped.
+when Ray restarts it. Each run holds a :class:`PoolLease`, an actor owned by its
+driver's process: a run whose lease is gone (its driver ended without leaving,
+e.g. it was killed) is dropped.
 
 :class:`PoolTenants` is the replica's side: one
 :class:`rlgate.actors.policy_store.PolicyFollower` per run, each keeping that
@@ -25,15 +26,16 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict
+import uuid
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import ray
 from ray import serve
 
 from rlgate.actors.policy_store import PolicyFollower
-from rlgate.rollout.pool import PoolRefused, PoolSpec, TenantInfo, pool_name
-from rlgate.run import NAMESPACE, get_actor, is_alive
+from rlgate.rollout.pool import LEASE, PoolRefused, PoolSpec, TenantInfo, pool_name
+from rlgate.run import NAMESPACE, actor_name, get_actor, is_alive
 
 logger = logging.getLogger(__name__)
 PRUNE_EVERY_S = 10.0  # how often the keeper looks for runs that ended without leaving
@@ -45,11 +47,14 @@ class EnginePool:
         self.pool, self.name, self.state_path = pool, pool_name(pool), Path(state_path)
         self.spec: dict | None = None
         self.runs: dict[str, dict] = {}  # run -> TenantInfo as a dict
-        self.generation = time.time_ns()  # goes up at each change of runs, and across a restart
+        # (epoch, generation) names the runs' state: the generation goes up at each change, and a
+        # restarted keeper has a new epoch (replicas then take its answer, whatever its generation)
+        self.epoch, self.generation = uuid.uuid4().hex, 0
         self._lock = asyncio.Lock()  # one join or leave at a time: a deploy or delete runs under it
         self._changed = asyncio.Condition()
         self._pruned_at = time.monotonic()
-        if self.state_path.exists():  # Ray restarted this keeper: the pool and its runs go on
+        restarted = ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+        if restarted and self.state_path.exists():  # Ray restarted this keeper: the pool and its runs go on
             state = json.loads(self.state_path.read_text())
             self.spec, self.runs = state["spec"], state["runs"]
 
@@ -103,30 +108,48 @@ class EnginePool:
             self.spec = None
             self._save()
 
-    async def tenants(self, generation: int = -1, timeout_s: float = 30.0) -> tuple[int, dict[str, dict]]:
-        """(generation, the runs) once the generation differs from ``generation``, or
-        after ``timeout_s``."""
+    async def tenants(
+        self, known: tuple[str, int] | None = None, timeout_s: float = 30.0
+    ) -> tuple[tuple[str, int], dict[str, dict]]:
+        """((epoch, generation), the runs) once they differ from ``known``, or after ``timeout_s``."""
+
+        def changed() -> bool:
+            return (self.epoch, self.generation) != known
+
         async with self._changed:
-            if self.generation == generation and timeout_s > 0:
+            if not changed() and timeout_s > 0:
                 try:
-                    await asyncio.wait_for(self._changed.wait_for(lambda: self.generation != generation), timeout_s)
+                    await asyncio.wait_for(self._changed.wait_for(changed), timeout_s)
                 except TimeoutError:
                     pass
         if time.monotonic() - self._pruned_at > PRUNE_EVERY_S:
             await self._prune()
-        return self.generation, dict(self.runs)
+        return (self.epoch, self.generation), dict(self.runs)
 
     async def _prune(self) -> None:
         self._pruned_at = time.monotonic()
-        gone = [run for run in self.runs if not await asyncio.to_thread(is_alive, run, "policy")]
-        if gone:
-            async with self._lock:
-                for run in gone:
+        if not any([not await asyncio.to_thread(is_alive, run, LEASE) for run in self.runs]):
+            return
+        async with self._lock:  # looked at again under the lock: a run may have joined again meanwhile
+            for run in list(self.runs):
+                if not await asyncio.to_thread(is_alive, run, LEASE):
                     logger.warning("run %s of engine pool %s ended without leaving: dropped", run, self.pool)
                     await self._drop(run)
 
     async def status(self) -> dict:
         return {"pool": self.pool, "spec": self.spec, "runs": dict(self.runs), "generation": self.generation}
+
+
+@ray.remote(num_cpus=0)
+class PoolLease:
+    """A run's place in an engine pool: owned by the run's driver (not detached), so it
+    ends with the driver's process, and the keeper then drops the run."""
+
+    def ready(self) -> bool:
+        return True
+
+
+_leases: dict[str, object] = {}  # run -> its lease, held for as long as this process runs
 
 
 def get_or_create_engine_pool(pool: str, state_path: str):
@@ -137,10 +160,16 @@ def get_or_create_engine_pool(pool: str, state_path: str):
 
 def join_pool(config, spec: PoolSpec, tenant: TenantInfo, app, state_path: str) -> PoolSpec:
     """Join the run of ``config`` to its ``[rollout] pool`` (deploying ``app`` if the
-    pool is not running); :class:`PoolRefused` with the reason when it cannot."""
+    pool is not running), holding a :class:`PoolLease` for as long as this process
+    runs; :class:`PoolRefused` with the reason when it cannot."""
+    run = config.gateway.run_name
+    if run not in _leases:  # the handle made it: dropping it would end the lease
+        _leases[run] = PoolLease.options(name=actor_name(run, LEASE), namespace=NAMESPACE).remote()
+        ray.get(_leases[run].ready.remote())
     keeper = get_or_create_engine_pool(config.rollout.pool, state_path)
+    tenant = replace(tenant, joined=uuid.uuid4().hex)  # this joining, apart from an earlier run of the name
     try:
-        joined = ray.get(keeper.join.remote(config.gateway.run_name, spec.as_dict(), asdict(tenant), [app]))
+        joined = ray.get(keeper.join.remote(run, spec.as_dict(), asdict(tenant), [app]))
     except ray.exceptions.RayTaskError as err:
         if isinstance(err.cause, PoolRefused):
             raise err.cause from None
@@ -153,6 +182,9 @@ def leave_pool(pool: str, run: str) -> None:
         ray.get(ray.get_actor(pool_name(pool), namespace=NAMESPACE).leave.remote(run))
     except ValueError:
         pass  # no keeper: nothing to leave
+    lease = _leases.pop(run, None)
+    if lease is not None:
+        ray.kill(lease)
 
 
 class PoolTenants:
@@ -162,7 +194,9 @@ class PoolTenants:
         self.engine, self.replica = engine, replica
         self.keeper = ray.get_actor(pool_name(pool), namespace=NAMESPACE)
         self.followers: dict[str, PolicyFollower] = {}
-        self.generation = -1
+        self.joined: dict[str, str] = {}  # run -> the joining its follower serves
+        self.known: tuple[str, int] | None = None  # the keeper's (epoch, generation) applied
+        self.missing: set[str] = set()  # runs that could not be added yet: tried again shortly
         self._applying = asyncio.Lock()
         self._task: asyncio.Task | None = None
 
@@ -172,40 +206,49 @@ class PoolTenants:
         self._task = asyncio.create_task(self._watch())
 
     async def refresh(self, timeout_s: float) -> None:
-        generation, runs = await self.keeper.tenants.remote(self.generation, timeout_s)
+        (epoch, generation), runs = await self.keeper.tenants.remote(self.known, timeout_s)
         async with self._applying:
-            if generation < self.generation:  # an older answer than one applied already
-                return
+            if self.known is not None and epoch == self.known[0] and generation < self.known[1]:
+                return  # an older answer than one applied already (the watch's and ensure()'s crossed)
             await self._apply(runs)
-            self.generation = generation
+            self.known = (epoch, generation)
 
     async def _apply(self, runs: dict[str, dict]) -> None:
-        from rlgate.rollout.engines.vllm import Tenant
-
-        for run in [run for run in self.followers if run not in runs]:
+        """Serve exactly ``runs``: a run gone, or joined again (a new run of its name), loses
+        its follower and adapters; each run not served yet is added on its own, so one that
+        fails (logged, tried again shortly) keeps no other from being served."""
+        for run in [run for run in self.followers if self.joined[run] != runs.get(run, {}).get("joined")]:
             follower = self.followers.pop(run)
+            del self.joined[run]
             try:
                 await follower.stop()
             except Exception:  # its PolicyStore is gone with its run
                 logger.debug("stopping the follower of %s", run, exc_info=True)
             await self.engine.drop_tenant(run)
+        self.missing = set()
         for run, info in runs.items():
             if run in self.followers:
                 continue
             try:
-                store = get_actor(run, "policy")
-            except ValueError:  # ended before we saw it: the keeper drops it
-                continue
-            tenant = TenantInfo(**info)
-            await self.engine.add_tenant(run, tenant.version, tenant.adapter)
-            follower = PolicyFollower(Tenant(self.engine, run), store, self.replica)
-            await follower.start()  # its newest adapter before its first request
-            self.followers[run] = follower
+                await self._add(run, TenantInfo(**info))
+            except Exception:
+                logger.exception("could not serve run %s of the engine pool yet; trying again", run)
+                await self.engine.drop_tenant(run)
+                self.missing.add(run)
+
+    async def _add(self, run: str, tenant: TenantInfo) -> None:
+        from rlgate.rollout.engines.vllm import Tenant
+
+        store = get_actor(run, "policy")  # ValueError: ended before we saw it (the keeper drops it)
+        await self.engine.add_tenant(run, tenant.version, tenant.adapter)
+        follower = PolicyFollower(Tenant(self.engine, run), store, self.replica)
+        await follower.start()  # its newest adapter before its first request
+        self.followers[run], self.joined[run] = follower, tenant.joined
 
     async def _watch(self) -> None:
         while True:
             try:
-                await self.refresh(timeout_s=30.0)
+                await self.refresh(timeout_s=2.0 if self.missing else 30.0)
             except asyncio.CancelledError:
                 raise
             except Exception:

@@ -62,7 +62,7 @@ class RolloutConfig(_Section):
         ge=2,
         le=64,
         description="vLLM with [training.lora]: adapters one batch may mix (requests finishing on an older "
-        "version beside new ones); more wait their turn.",
+        "version beside new ones; in an engine pool, every run's); more wait their turn.",
     )
     pool: str | None = Field(
         None,

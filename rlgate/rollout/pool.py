@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 # Never the prefix of a run's names (``rlgate-<run>-<role>``, applications ``rlgate``/``rlgate-<run>``).
 PREFIX = "enginepool-"
+LEASE = "pool-lease"  # a run's role (rlgate.run) holding its place in a pool: an actor that ends with its driver
 
 
 def pool_name(pool: str) -> str:
@@ -69,11 +70,13 @@ class PoolSpec:
 
 @dataclass(frozen=True)
 class TenantInfo:
-    """What a pool's engines need to serve one run: the version it starts at and the
-    adapter that version is (a resumed run's checkpoint; None: the base model)."""
+    """What a pool's engines need to serve one run: the version it starts at, the
+    adapter that version is (a resumed run's checkpoint; None: the base model), and
+    which joining of the run this is (a run started again under its name is new)."""
 
     version: int = 0
     adapter: str | None = None
+    joined: str = ""
 
 
 class PoolRefused(ValueError):

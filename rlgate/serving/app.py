@@ -39,6 +39,7 @@ from rlgate.serving.routing import router_config, serve_start_options
 from rlgate.sessions.manager import hash_key, new_key
 from rlgate.training.placement import replica_bundle
 
+POOL_SERVED_S = 300.0  # how long a run joining an engine pool waits for every replica to serve it
 DEFAULT_CONFIG = Path("configs") / "serve.toml"  # from the working directory: a checkout, or Ray's working_dir
 
 
@@ -125,14 +126,20 @@ def join_engine_pool(config: RLGateConfig, initial_version: int = 0) -> PoolSpec
     """Join the run to its ``[rollout] pool`` (needs Ray): its PolicyStore made first
     (the pool's replicas follow it), then the pool deployed if it is not running;
     :class:`rlgate.rollout.pool.PoolRefused` says why a run cannot join."""
+    import ray
+
     gateway, pool = config.gateway, config.rollout.pool
     run_dir = Path(gateway.run_dir, gateway.run_name).resolve()
     name = actor_name(gateway.run_name, "policy")
-    get_or_create_policy_store(name, NAMESPACE, initial_version, str(run_dir / "policy.json"))
+    store = get_or_create_policy_store(name, NAMESPACE, initial_version, str(run_dir / "policy.json"))
     spec = PoolSpec.of(config, resolve_model(config))
     tenant = TenantInfo(initial_version, config.model.adapter)
     state = Path(gateway.run_dir).resolve() / "pools" / f"{pool}.json"
-    return join_pool(config, spec, tenant, build_rollout_app(config, pool=pool), str(state))
+    joined = join_pool(config, spec, tenant, build_rollout_app(config, pool=pool), str(state))
+    # every replica serves this run (its follower acks this run's new store) before its first request
+    if not ray.get(store.wait_served.remote(initial_version, joined.replicas, POOL_SERVED_S)):
+        raise RuntimeError(f"engine pool {pool!r}: not every replica took run {gateway.run_name!r} in time")
+    return joined
 
 
 def build_app(

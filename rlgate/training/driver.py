@@ -38,7 +38,7 @@ from ray import serve
 from rlgate.actors.engine_pool import leave_pool
 from rlgate.actors.trainer import TrainerWorkers
 from rlgate.config import ConfigError, RLGateConfig, dump_config, load_config
-from rlgate.rollout.pool import PoolRefused
+from rlgate.rollout.pool import PoolRefused, pool_name
 from rlgate.run import (
     ADAPTER,
     INHERITED_STATE,
@@ -176,12 +176,19 @@ def wait_until_placeable(config: RLGateConfig, gpus: float, run_dir: Path) -> No
     problem = unplaceable(bundles, cluster_nodes(len(bundles)))
     if problem:
         raise SystemExit(f"rlgate: {problem}")
-    if config.rollout.pool is not None:  # the pool's engines are shared: running already, or deployed on joining
+    if config.rollout.pool is not None and pool_running(config.rollout.pool):  # its engines are there already
         bundles = [bundle for bundle in bundles if bundle.role == "trainer"]
     try:
         wait_for_room(bundles, config.jobs.start_timeout_s, lambda reason: note_waiting(run_dir, reason))
     except RuntimeError as err:
         raise SystemExit(f"rlgate: {err}") from None
+
+
+def pool_running(pool: str) -> bool:
+    from ray.serve.context import _get_global_client
+
+    running = _get_global_client(raise_if_no_controller_running=False)
+    return running is not None and pool_name(pool) in serve.status().applications
 
 
 def start_trainer(config: RLGateConfig, gpus: float, run_dir: Path, first_command: int) -> TrainerWorkers:

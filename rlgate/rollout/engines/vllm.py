@@ -372,9 +372,10 @@ class VLLMEngine(Engine):
         async with self._update_lock:
             if tenant in self._tenant_versions:
                 return
-            self._tenant_versions[tenant] = version
-            if adapter is not None:
+            if adapter is not None:  # served (and its version set) once loaded: a failed load adds nothing
                 await self._add_adapter(Path(adapter), version, tenant)
+            else:
+                self._tenant_versions[tenant] = version
 
     async def drop_tenant(self, tenant: str) -> None:
         """Stop serving ``tenant``; its adapters are unloaded once no request uses them."""
@@ -508,7 +509,7 @@ class UnknownTenant(RuntimeError):
 
 def adapter_name(tenant: str | None, version: int) -> str:
     """The name an adapter is served under: ``v<version>``, in a pool ``<run>-v<version>``
-    (vLLM's prefix cache keys on it, so two runs' adapters never share cached blocks)."""
+    (one name per adapter: vLLM's prefix cache keys on it, with its folder)."""
     return f"v{version}" if tenant is None else f"{tenant}-v{version}"
 
 
