@@ -35,7 +35,6 @@ class PoolSpec:
     dtype: str
     replicas: int
     lora_rank: int  # the engines' LoRA rank (vLLM's): a run's adapter may have this rank or less
-    max_loras: int
     max_model_len: int
 
     @classmethod
@@ -49,7 +48,6 @@ class PoolSpec:
             dtype=config.model.dtype,
             replicas=config.rollout.replicas,
             lora_rank=engine_lora_rank(config.training.lora.rank),
-            max_loras=config.rollout.max_loras,
             max_model_len=config.rollout.max_model_len,
         )
 

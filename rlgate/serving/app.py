@@ -125,7 +125,7 @@ def build_rollout_app(config: RLGateConfig, initial_version: int = 0, pool: str 
 def join_engine_pool(config: RLGateConfig, initial_version: int = 0) -> PoolSpec:
     """Join the run to its ``[rollout] pool`` (needs Ray): its PolicyStore made first
     (the pool's replicas follow it), then the pool deployed if it is not running;
-    :class:`rlgate.rollout.pool.PoolRefused` says why a run cannot join."""
+    SystemExit with the reason when the run cannot join."""
     import ray
 
     gateway, pool = config.gateway, config.rollout.pool
@@ -135,7 +135,10 @@ def join_engine_pool(config: RLGateConfig, initial_version: int = 0) -> PoolSpec
     spec = PoolSpec.of(config, resolve_model(config))
     tenant = TenantInfo(initial_version, config.model.adapter)
     state = Path(gateway.run_dir).resolve() / "pools" / f"{pool}.json"
-    joined = join_pool(config, spec, tenant, build_rollout_app(config, pool=pool), str(state))
+    try:
+        joined = join_pool(config, spec, tenant, build_rollout_app(config, pool=pool), str(state))
+    except PoolRefused as refused:
+        raise SystemExit(f"rlgate: {refused}") from None
     # every replica serves this run (its follower acks this run's new store) before its first request
     if not ray.get(store.wait_served.remote(initial_version, joined.replicas, POOL_SERVED_S)):
         raise RuntimeError(f"engine pool {pool!r}: not every replica took run {gateway.run_name!r} in time")
@@ -215,10 +218,7 @@ def main() -> None:
     # agents use the head; its proxy routes each session's requests to the replica that owns it
     serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port}, **serve_start_options())
     if config.rollout.pool is not None:
-        try:
-            join_engine_pool(config)
-        except PoolRefused as refused:
-            raise SystemExit(f"rlgate: {refused}") from None
+        join_engine_pool(config)
     app = build_app(config, hash_key(key.value), key_fit_for_public=key.fit_for_public)
     serve.run(app, name="rlgate", route_prefix="/")
     url = f"http://{host}:{port}"

@@ -38,7 +38,7 @@ from ray import serve
 from rlgate.actors.engine_pool import leave_pool
 from rlgate.actors.trainer import TrainerWorkers
 from rlgate.config import ConfigError, RLGateConfig, dump_config, load_config
-from rlgate.rollout.pool import PoolRefused, pool_name
+from rlgate.rollout.pool import pool_name
 from rlgate.run import (
     ADAPTER,
     INHERITED_STATE,
@@ -350,10 +350,7 @@ def serve_gateway(config: RLGateConfig, version: int, key: AdminKey) -> tuple[st
     else:
         host, port = running.http_config.host, running.http_config.port
     if config.rollout.pool is not None:  # the shared engines first: the gateway calls them by name
-        try:
-            join_engine_pool(config, version)
-        except PoolRefused as refused:
-            raise SystemExit(f"rlgate: {refused}") from None
+        join_engine_pool(config, version)
     app = build_app(config, hash_key(key.value), initial_version=version, key_fit_for_public=key.fit_for_public)
     serve.run(app, name=app_name(config.gateway.run_name, prefix), route_prefix=prefix, logging_config=quiet)
     address = "127.0.0.1" if host in ("0.0.0.0", "::") else host
