@@ -141,27 +141,48 @@ async def test_versions_never_go_backwards(engine, reference_model):
         await engine.update_weights(reference_model.state_dict(), engine.version - 1)
 
 
-async def test_in_flight_completion_carries_both_versions(engine, tiny_path, prompts):
-    original = load_file(tiny_path / "model.safetensors")
-    start = engine.version
-    chunks = []
+async def test_in_flight_completion_carries_both_versions_each_exactly(engine, reference_model, prompts):
+    """A completion in flight across an update: its tokens before carry the old
+    version and are the old weights', those after carry the new one and are
+    exactly the new weights' given the whole prefix. The engine's KV cache of
+    the prefix is computed again on the new weights, not reused from the old."""
+    from transformers import DynamicCache
+
+    stepped = await one_step(reference_model, prompts, engine)
+    start, chunks = engine.version, []
 
     async def consume():
-        params = SamplingParams(max_tokens=600, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
         async for chunk in engine.generate(prompts[0], params):
             chunks.append(chunk)
 
     task = asyncio.create_task(consume())
-    while not chunks:
+    while len(chunks) < 4:
         await asyncio.sleep(0.002)
-    await engine.update_weights(original, start + 1)
+    await engine.update_weights(stepped.state_dict(), start + 1)
     await asyncio.wait_for(task, timeout=120)
+    tokens = [t for c in chunks for t in c.token_ids]
+    logprobs = [lp for c in chunks for lp in c.logprobs]
     versions = [v for c in chunks for v in c.versions]
-    assert len(versions) == 600
+    assert len(versions) == 300 and versions == sorted(versions)
     assert versions[0] == start and versions[-1] == start + 1
-    assert versions == sorted(versions)
     if engine.name == "vllm":
         assert engine.version_label_mismatches == 0  # our labels agree with vLLM's own spans
+    old = versions.count(start)
+    expected = _reference_logprobs(reference_model, prompts[0], tokens)[:old]
+    expected += _reference_logprobs(stepped, prompts[0], tokens)[old:]
+    assert logprobs == pytest.approx(expected, abs=1e-4)
+
+    # What reusing the old cache would have given (the new weights over the old
+    # weights' keys and values) is far from it: the check above bites.
+    switch = len(prompts[0]) + old - 1  # the last old token is the first input on the new weights
+    ids = torch.tensor([prompts[0] + tokens])
+    with torch.no_grad():
+        cache = DynamicCache()
+        reference_model(ids[:, :switch], past_key_values=cache, use_cache=True)
+        logits = stepped(ids[:, switch:-1], past_key_values=cache, use_cache=True).logits[0].float()
+    reused = torch.log_softmax(logits, -1)[torch.arange(len(tokens) - old), torch.tensor(tokens[old:])]
+    assert (reused - torch.tensor(expected[old:])).abs().max() > 1e-3
 
 
 async def test_a_whole_completion_across_an_update_carries_both_versions(vllm_engine, tiny_path, prompts):

@@ -77,6 +77,13 @@ max_tokens = 12
     return path
 
 
+def sampled_versions(run: Path) -> dict[int, list[list[int]]]:
+    """Step -> the policy versions of each trained record's sampled tokens, in order."""
+    records = {r["seq"]: r for f in sorted((run / "trajectories").glob("*.jsonl")) for r in lines(f)}
+    sampled = {seq: [v for m, v in zip(r["loss_mask"], r["versions"]) if m] for seq, r in records.items()}
+    return {batch["step"]: [sampled[seq] for seq in batch["seqs"]] for batch in lines(run / "batches.jsonl")}
+
+
 @dataclass
 class Joined:
     """The test session's cluster, for a driver to join: its address and Serve's port."""
@@ -556,8 +563,11 @@ def test_two_fsdp_workers_train_exact_weights_and_resume_their_sharded_optimizer
     run = tmp_path / "runs" / "e2e"
     metrics = lines(run / "metrics.jsonl")
     assert [m["version"] for m in metrics] == [1, 2, 3]
-    for m in metrics:
-        assert m["train_logprob_mismatch_max"] < 1e-4 and m["samples"] == 8 and m["train_peak_memory_mib"] > 0
+    for m in metrics:  # on failure: each trained record's token versions, which say where its tokens came from
+        assert m["train_logprob_mismatch_max"] < 1e-4 and m["samples"] == 8 and m["train_peak_memory_mib"] > 0, (
+            m,
+            sampled_versions(run),
+        )
     states = {p.parent: json.loads(p.read_text()) for p in run.glob("trainer/step-*/trainer_state.json")}
     latest = max(states, key=lambda p: states[p]["next_command"])
     trained = load_file(latest / "model" / "model.safetensors")

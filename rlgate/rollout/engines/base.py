@@ -324,7 +324,8 @@ class Engine(abc.ABC):
 
         ``weights`` is a full state dict with Hugging Face names, or the path of
         a safetensors file holding one. Runs pause → load → reset prefix cache →
-        resume; in-flight requests continue on the new weights afterwards.
+        resume; in-flight requests continue on the new weights afterwards, their
+        KV cache computed again on them (each later token is exactly the new version's).
         """
         if version < self.version:
             raise ValueError(f"version {version} is older than the served version {self.version}")

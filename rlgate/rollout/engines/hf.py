@@ -5,8 +5,9 @@ benchmarks as the parity reference); also the fallback where vLLM does not
 install. It batches whatever requests are waiting, prefills them together
 (left-padded) and decodes with a KV cache, one forward pass per step in a
 worker thread so the event loop keeps streaming. Requests that arrive while
-a batch runs join the next batch. Weights change only between steps, so the
-version attached to each token is exact.
+a batch runs join the next batch. Weights change only between steps, and a
+batch that outlives a change is prefilled again (prompts and tokens so far)
+on the new weights, so each token is exactly the version it is labelled with.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class HFEngine(Engine):
         super().__init__(model_path, max_model_len, initial_version)
         self._initial_adapter = adapter
         self._pristine: dict | None = None  # the adapted weights as loaded, for merging each new adapter
+        self._weights_loaded = 0  # counts weight loads: a batch's KV cache is of the count it began with
         self.dtype = dtype
         self.max_batch_size = max_batch_size
         self.device = device
@@ -161,6 +163,7 @@ class HFEngine(Engine):
 
         from rlgate.rollout.lora import Adapter
 
+        self._weights_loaded += 1  # paused: no step runs until the load is done
         if isinstance(weights, Adapter):
             return await asyncio.to_thread(self._merge, weights)
         if isinstance(weights, str):
@@ -215,19 +218,18 @@ class HFEngine(Engine):
         from transformers import DynamicCache
 
         self._active = rows
-        width = max(len(row.prompt) for row in rows)
-        pad = self.tokenizer.pad_token_id or 0
-        input_ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in rows])
-        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in rows])
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
         live = list(range(len(rows)))  # batch position -> index into rows
+        input_ids, mask, positions = self._prefill([row.prompt for row in rows])
+        cache, cached = DynamicCache(), self._weights_loaded
         try:
             while True:
                 await self._unpaused.wait()
                 async with self._step_lock:
                     if not self._unpaused.is_set():
                         continue
+                    if self._weights_loaded != cached:  # new weights: the cache is the old ones'
+                        input_ids, mask, positions = self._prefill([rows[i].prompt + rows[i].generated for i in live])
+                        cache, cached = DynamicCache(), self._weights_loaded
                     logits = await asyncio.to_thread(self._forward, input_ids, mask, positions, cache)
                     version = self.version
                 next_tokens = []
@@ -253,6 +255,16 @@ class HFEngine(Engine):
                 positions = positions[:, -1:] + 1
         finally:
             self._active = []
+
+    def _prefill(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input ids, attention mask and positions of ``sequences``, left-padded."""
+        import torch
+
+        width = max(len(sequence) for sequence in sequences)
+        pad = self.tokenizer.pad_token_id or 0
+        input_ids = torch.tensor([[pad] * (width - len(s)) + s for s in sequences])
+        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences])
+        return input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
     def _forward(self, input_ids, mask, positions, cache):
         import torch

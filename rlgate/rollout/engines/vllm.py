@@ -8,7 +8,9 @@ Weight sync goes through vLLM's public extension points: the trainer's state
 dict is written to a safetensors file in shared memory, and every worker
 loads it through :class:`rlgate.rollout.engines.vllm_worker.WeightSyncExtension`
 (``collective_rpc``), between ``pause_generation`` and ``resume_generation``,
-followed by a prefix-cache reset.
+followed by a prefix-cache reset that also preempts the requests in flight:
+they go on after the update with their KV cache computed again on the new
+weights, so each token is exactly the version it is labelled with.
 
 With ``lora_rank`` set (``[training.lora]``) the engine serves LoRA adapters
 instead: each pushed :class:`rlgate.rollout.lora.Adapter` becomes a
@@ -421,7 +423,8 @@ class VLLMEngine(Engine):
 
     async def _set_paused(self, paused: bool) -> None:
         if paused:
-            # "keep": in-flight requests freeze and continue after the update.
+            # "keep": in-flight requests freeze, and continue after the update with
+            # their KV cache computed again on the new weights (see _after_update).
             await self.llm.pause_generation(mode="keep", clear_cache=False)
         else:
             await self.llm.resume_generation()
@@ -450,7 +453,10 @@ class VLLMEngine(Engine):
         return counts[0]
 
     async def _after_update(self, version: int) -> None:
-        await self.llm.reset_prefix_cache()
+        # Preempting the frozen requests drops their KV cache: each is prefilled again
+        # (prompt and tokens so far) on the new weights, so every later token is
+        # exactly the new version's, not the new weights over the old one's cache.
+        await self.llm.reset_prefix_cache(reset_running_requests=True)
         await self.llm.update_weight_version(str(version))
 
     # --- GPU fast path -------------------------------------------------------
