@@ -82,6 +82,8 @@ def train_worker(setup: dict) -> None:
     channel = ray.get_actor(setup["channel"], namespace=NAMESPACE)
     policy = ray.get_actor(setup["policy"], namespace=NAMESPACE)
     torch.manual_seed(settings.training.seed)
+    if settings.compute.threads_per_worker is not None:  # else Ray's OMP_NUM_THREADS: the CPUs it reserves
+        torch.set_num_threads(settings.compute.threads_per_worker)
     tokenizer = AutoTokenizer.from_pretrained(setup["model_path"])
     pad_id = tokenizer.pad_token_id or 0
 
@@ -125,7 +127,7 @@ def train_worker(setup: dict) -> None:
         rows = shard(list(zip(records, advantages)), rank, world)
         batch = collate([r for r, _ in rows], [a for _, a in rows], pad_id)
         metrics = trainer.step(batch, command["version"], command["normaliser"], scale=float(world))
-        metrics["peak_memory_mib"] = peak_memory_mib()
+        metrics["peak_memory_mib"], metrics["threads"] = peak_memory_mib(), torch.get_num_threads()
         new_version = command["version"] + 1
         full = strategy.full_state_dict(prepared, rank) if adapting is None else None  # FSDP: every rank gathers
         if rank == 0:

@@ -380,6 +380,14 @@ class ComputeConfig(_Section):
         "for every worker beyond those the rollout replicas take, else 0.",
     )
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs per trainer worker.")
+    threads_per_worker: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="torch threads per trainer worker; unset: one per whole CPU it reserves (Ray's "
+        "OMP_NUM_THREADS). A synchronous run (max_staleness = 0) on one machine may give the trainer the cores "
+        "the engines leave idle while it steps.",
+    )
     placement: Literal["shared", "split"] = Field(
         "shared",
         description="shared: replicas and workers go wherever their resources fit (fractional GPUs co-locate "

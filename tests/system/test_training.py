@@ -478,6 +478,7 @@ def test_a_lora_run_trains_an_adapter_that_the_engine_serves_and_a_resume_goes_o
         text = text.replace("[gateway]\n", f"[gateway]\n{direct}\n")
         text = text.replace("learning_rate = 3e-3", "learning_rate = 2e-2")
         text += "[algorithm]\nkl_coef = 0.05\n[training.lora]\nrank = 8\nalpha = 16\nsave_merged = true\n"
+        text += "[compute]\nthreads_per_worker = 2\n"  # more than the one CPU the worker reserves
         path.write_text(text)
         return path
 
@@ -491,6 +492,7 @@ def test_a_lora_run_trains_an_adapter_that_the_engine_serves_and_a_resume_goes_o
     assert [m["version"] for m in metrics] == [1, 2, 3]
     for m in metrics:  # the engine sampled with exactly the adapter the trainer held, the resumed one too
         assert m["train_logprob_mismatch_max"] < 1e-4 and m["staleness"] == 0 and m["samples"] == 8
+        assert m["train_threads"] == 2
     records = {r["seq"]: r for f in sorted((run / "trajectories").glob("*.jsonl")) for r in lines(f)}
     for batch in lines(run / "batches.jsonl"):  # each step trained what the adapter before it sampled
         assert all(
