@@ -8,8 +8,10 @@ loss-mask bit, its behaviour logprob and the policy version that sampled it.
 A step then:
 
 1. drops every sampled token older than ``version - max_staleness`` (counted);
-2. recomputes the proximal log-probs with the current weights (no grad) and
-   reports the train/rollout mismatch on tokens sampled by this very version;
+2. takes the proximal log-probs of the current weights (with one update per
+   batch and no dropout, each micro-batch's own training forward, detached;
+   otherwise a no-grad pass before the first update) and reports the train/rollout mismatch on
+   tokens sampled by this very version;
 3. takes ``updates_per_batch`` optimizer steps, each over ``grad_accumulation``
    micro-batches whose losses are normalised by the *global* token or
    sequence count, so splitting (micro-batches, data-parallel workers) does
@@ -95,6 +97,21 @@ def logprobs_and_entropy(model: torch.nn.Module, batch: TrainBatch) -> tuple[tor
     return all_logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1), entropy
 
 
+def has_dropout(model: torch.nn.Module) -> bool:
+    """Whether training mode changes ``model``'s outputs: a dropout module (a
+    LoRA adapter's, say) or a ``*dropout`` / ``*pdrop`` setting in its config
+    above zero (transformers applies attention dropout functionally)."""
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        return True
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "to_dict")}
+    return any(
+        isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+        for config in configs.values()
+        for key, value in config.to_dict().items()
+        if key.endswith(("dropout", "pdrop"))
+    )
+
+
 @dataclass
 class StepSettings:
     variety_loss: str = "ppo_clip"  # a key of rlgate.training.grpo.POLICY_LOSSES
@@ -117,6 +134,7 @@ class PolicyTrainer:
         reference: torch.nn.Module | None = None,
     ) -> None:
         self.model, self.optimizer, self.settings, self.reference = model, optimizer, settings, reference
+        self.dropout = has_dropout(model)
 
     def step(
         self, batch: TrainBatch, version: int, global_normaliser: float | None = None, scale: float = 1.0
@@ -133,12 +151,14 @@ class PolicyTrainer:
         sampled = batch.versions >= 0
         stale = sampled & (batch.versions < version - s.max_staleness) & (batch.loss_mask > 0)
         mask = batch.loss_mask * (~stale).float()
+        # One update and no dropout: the weights do not move before the last micro-batch's backward, so each
+        # micro-batch's own forward, detached, is its proximal policy and no separate pass is needed (as TRL
+        # does with num_iterations = 1). Otherwise a no-grad pass before the first update, in eval mode.
+        single = s.updates_per_batch == 1 and not self.dropout
         with torch.no_grad(), autocast:
             self.model.eval()
-            proximal = token_logprobs(self.model, batch)
+            proximal = torch.zeros_like(mask) if single else token_logprobs(self.model, batch)
             reference = token_logprobs(self.reference, batch) if self.reference is not None else None
-        current = (batch.versions == version) & (mask > 0)
-        mismatch = (proximal - batch.behaviour_logp).abs()[current]
         whole = global_normaliser or denominator(s.loss.aggregation, mask.shape[0], float(mask.sum()), mask.shape[1])
         self.model.train()
         metrics: dict[str, float] = {}
@@ -153,6 +173,8 @@ class PolicyTrainer:
                 micro = batch.rows(rows)
                 with autocast:
                     logp, entropy = logprobs_and_entropy(self.model, micro)
+                if single:
+                    proximal[rows] = logp.detach()
                 loss, metrics = policy_loss(
                     PolicyBatch(
                         logp=logp,
@@ -173,6 +195,8 @@ class PolicyTrainer:
             self.optimizer.step()
             losses.append(total)
         self.model.eval()
+        current = (batch.versions == version) & (mask > 0)
+        mismatch = (proximal - batch.behaviour_logp).abs()[current]
         return {
             "loss": losses[-1],
             "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),

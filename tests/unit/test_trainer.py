@@ -9,7 +9,14 @@ import torch
 
 from rlgate.rollout.engines import SamplingParams, collect
 from rlgate.training.grpo import LossConfig, group_advantages
-from rlgate.training.policy_step import PolicyTrainer, StepSettings, TrainBatch, collate, token_logprobs
+from rlgate.training.policy_step import (
+    PolicyTrainer,
+    StepSettings,
+    TrainBatch,
+    collate,
+    has_dropout,
+    token_logprobs,
+)
 
 
 def test_collate_aligns_everything_to_the_predicted_token():
@@ -115,6 +122,36 @@ def test_micro_batches_give_the_same_update_as_one_batch(sampled, reference_mode
     split.step(sampled, version=0)
     for a, b in zip(whole.model.parameters(), split.model.parameters()):
         assert torch.allclose(a, b, atol=1e-7)
+
+
+@pytest.mark.parametrize("variety_loss", ["ppo_clip", "cispo", "decoupled_ppo"])
+def test_one_update_takes_its_proximal_policy_from_the_training_pass(sampled, reference_model, variety_loss):
+    """With one update per batch the training forward, detached, is the proximal
+    policy: the same update and mismatch as a separate no-grad pass, one pass fewer."""
+    fused = make_trainer(reference_model, torch.optim.SGD, variety_loss=variety_loss, grad_accumulation=2)
+    separate = make_trainer(reference_model, torch.optim.SGD, variety_loss=variety_loss, grad_accumulation=2)
+    separate.dropout = True  # as for a model with dropout: the no-grad pass in eval mode first
+    forwards = []
+    fused.model.register_forward_hook(lambda *_: forwards.append(1))
+    fused_metrics, separate_metrics = fused.step(sampled, version=0), separate.step(sampled, version=0)
+    assert len(forwards) == 2  # one per micro-batch, none before
+    for a, b in zip(fused.model.parameters(), separate.model.parameters()):
+        assert torch.allclose(a, b, atol=1e-7)
+    for key in ("logprob_mismatch_mean", "logprob_mismatch_max", "loss"):
+        assert fused_metrics[key] == pytest.approx(separate_metrics[key], abs=1e-6), key
+    assert fused_metrics["logprob_mismatch_max"] < 1e-4
+
+
+def test_dropout_anywhere_in_the_model_is_found(reference_model):
+    """A dropout module (a LoRA adapter's) or a config's attention dropout makes
+    training mode differ from eval mode; the reference model has neither."""
+    assert not has_dropout(reference_model)
+    with_module = copy.deepcopy(reference_model)
+    with_module.lm_head = torch.nn.Sequential(torch.nn.Dropout(0.05), with_module.lm_head)
+    assert has_dropout(with_module)
+    with_config = copy.deepcopy(reference_model)
+    with_config.config.attention_dropout = 0.1
+    assert has_dropout(with_config)
 
 
 def test_several_updates_per_batch_use_the_ratio_clip(sampled, reference_model):
