@@ -126,7 +126,10 @@ def train_worker(setup: dict) -> None:
         records, advantages = ray.get(command["batch"][0])
         rows = shard(list(zip(records, advantages)), rank, world)
         batch = collate([r for r, _ in rows], [a for _, a in rows], pad_id)
+        began = time.perf_counter()
         metrics = trainer.step(batch, command["version"], command["normaliser"], scale=float(world))
+        stepped = time.perf_counter()
+        metrics["compute_s"] = stepped - began  # forward, backward and optimizer step
         metrics["peak_memory_mib"], metrics["threads"] = peak_memory_mib(), torch.get_num_threads()
         new_version = command["version"] + 1
         full = strategy.full_state_dict(prepared, rank) if adapting is None else None  # FSDP: every rank gathers
@@ -138,6 +141,7 @@ def train_worker(setup: dict) -> None:
                 # made again after a store restart: its saved version then equals this one, weights lost
                 surviving(lambda v=new_version, r=ref: policy.publish.remote(v, r), "publishing")
                 republisher.published(new_version, ref)  # kept: a restarted store gets it again
+        metrics["publish_s"] = time.perf_counter() - stepped  # weights gathered and handed to the PolicyStore
         # Every step's metrics go to Ray Train (a collective: every worker reports), with a checkpoint when due.
         save = None
         if command.get("save"):  # the optimizer's state is gathered by every rank under FSDP

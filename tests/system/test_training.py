@@ -570,6 +570,7 @@ def test_two_fsdp_workers_train_exact_weights_and_resume_their_sharded_optimizer
             m,
             sampled_versions(run),
         )
+        assert 0 < m["train_compute_s"] < m["step_s"] and 0 < m["train_publish_s"] < m["step_s"], m  # where it went
     states = {p.parent: json.loads(p.read_text()) for p in run.glob("trainer/step-*/trainer_state.json")}
     latest = max(states, key=lambda p: states[p]["next_command"])
     trained = load_file(latest / "model" / "model.safetensors")
