@@ -10,8 +10,8 @@ A step then:
 1. drops every sampled token older than ``version - max_staleness`` (counted);
 2. takes the proximal log-probs of the current weights (with one update per
    batch and no dropout, each micro-batch's own training forward, detached;
-   otherwise a no-grad pass before the first update) and reports the train/rollout mismatch on
-   tokens sampled by this very version;
+   otherwise a no-grad pass before the first update) and reports the
+   train/rollout mismatch on tokens sampled by this very version;
 3. takes ``updates_per_batch`` optimizer steps, each over ``grad_accumulation``
    micro-batches whose losses are normalised by the *global* token or
    sequence count, so splitting (micro-batches, data-parallel workers) does
