@@ -122,6 +122,13 @@ def build_rollout_app(config: RLGateConfig, initial_version: int = 0, pool: str 
     ).bind(settings, resolve_model(config), initial_version, pool)
 
 
+def policy_store(config: RLGateConfig, initial_version: int = 0):
+    """The run's PolicyStore (needs Ray), made here if no one has yet, as each replica makes it."""
+    run_dir = Path(config.gateway.run_dir, config.gateway.run_name).resolve()
+    name = actor_name(config.gateway.run_name, "policy")
+    return get_or_create_policy_store(name, NAMESPACE, initial_version, str(run_dir / "policy.json"))
+
+
 def join_engine_pool(config: RLGateConfig, initial_version: int = 0) -> PoolSpec:
     """Join the run to its ``[rollout] pool`` (needs Ray): its PolicyStore made first
     (the pool's replicas follow it), then the pool deployed if it is not running;
@@ -129,9 +136,7 @@ def join_engine_pool(config: RLGateConfig, initial_version: int = 0) -> PoolSpec
     import ray
 
     gateway, pool = config.gateway, config.rollout.pool
-    run_dir = Path(gateway.run_dir, gateway.run_name).resolve()
-    name = actor_name(gateway.run_name, "policy")
-    store = get_or_create_policy_store(name, NAMESPACE, initial_version, str(run_dir / "policy.json"))
+    store = policy_store(config, initial_version)
     spec = PoolSpec.of(config, resolve_model(config))
     tenant = TenantInfo(initial_version, config.model.adapter)
     state = Path(gateway.run_dir).resolve() / "pools" / f"{pool}.json"

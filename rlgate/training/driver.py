@@ -52,7 +52,15 @@ from rlgate.run import (
     get_actor,
 )
 from rlgate.sdk.taskapp import TaskAppClient, TaskAppError, environment_key
-from rlgate.serving.app import AdminKey, AdminKeyRefused, admin_key, build_app, join_engine_pool, resolve_model
+from rlgate.serving.app import (
+    AdminKey,
+    AdminKeyRefused,
+    admin_key,
+    build_app,
+    join_engine_pool,
+    policy_store,
+    resolve_model,
+)
 from rlgate.serving.routing import serve_start_options
 from rlgate.sessions.manager import hash_key, new_key
 from rlgate.sessions.trajectory_files import last_seq
@@ -64,6 +72,8 @@ from rlgate.training.placement import cluster_nodes, plan, unplaceable, wait_for
 from rlgate.training.runlog import RunLog
 from rlgate.training.tasks import Episodes, builtin_episodes, get_task, task_app_episodes
 from rlgate.training.tracking import Tracking
+
+QUIET = {"enable_access_log": False}  # Serve's logging: a line per request would bury the progress bar
 
 
 def main() -> int:
@@ -94,8 +104,10 @@ def main() -> int:
     wait_until_placeable(config, gpus, run_dir)
     if not args.resume:
         forget_earlier_run(config.gateway.run_name, run_dir)
-    url, started_serve = serve_gateway(config, start.version, key)
-    trainer = start_trainer(config, gpus, run_dir, start.first_command)
+    serving = start_serve(config, start.version)
+    # Ray Train's workers start while the engines do: nothing joins them before the first step
+    trainer = start_trainer(config, gpus, run_dir, start)
+    url = deploy_gateway(config, serving, start.version, key)
     admit_under_the_rule(config, start.version)  # before any episode starts
     stopping, stopped_by_hand = threading.Event(), False
     episodes = start_episodes(config, url, key.value, stopping, task_app, dataset, start.step)
@@ -122,7 +134,7 @@ def main() -> int:
         if episodes is not None:
             episodes.stop()
         trainer.stop()
-        finish(config, log, progress, started_serve)
+        finish(config, log, progress, serving.started)
     if episodes is not None and episodes.stats.fatal is not None:
         print(f"rlgate: stopped: the environment is down: {episodes.stats.fatal}", file=sys.stderr)
         return 1
@@ -191,8 +203,11 @@ def pool_running(pool: str) -> bool:
     return running is not None and pool_name(pool) in serve.status().applications
 
 
-def start_trainer(config: RLGateConfig, gpus: float, run_dir: Path, first_command: int) -> TrainerWorkers:
+def start_trainer(config: RLGateConfig, gpus: float, run_dir: Path, start: ResumePoint) -> TrainerWorkers:
+    """The run's Ray Train workers, started in the background; its PolicyStore made
+    first (the workers publish to it, the engines follow it)."""
     run = config.gateway.run_name
+    policy_store(config, start.version)
     setup = {
         "settings": config.model_dump(),
         "model_path": resolve_model(config),
@@ -204,7 +219,7 @@ def start_trainer(config: RLGateConfig, gpus: float, run_dir: Path, first_comman
         config.compute.trainer_workers,
         worker_bundle(config, gpus).as_ray(),  # [compute] placement = "split" adds rlgate_trainer
         storage=run_dir,
-        first_command=first_command,
+        first_command=start.first_command,
         max_failures=config.training.max_failures,
     )
 
@@ -331,34 +346,56 @@ def gateway_key(config: RLGateConfig, private: bool) -> AdminKey:
         raise SystemExit(str(refused)) from None
 
 
-def serve_gateway(config: RLGateConfig, version: int, key: AdminKey) -> tuple[str, bool]:
-    """The gateway and rollout engines on Serve's HTTP proxy (a Serve already
-    running keeps its own host and port, and each Gateway replica checks ``key``
-    against that host); returns the URL agents use, and whether this run started Serve."""
+@dataclass
+class Serving:
+    """Serve's HTTP proxy as this run found it: where it listens, and whether this run started it."""
+
+    host: str
+    port: int
+    started: bool
+
+
+def start_serve(config: RLGateConfig, version: int) -> Serving:
+    """Serve's HTTP proxy (a Serve already running keeps its own host and port),
+    and a ``[rollout] pool``'s shared engines joined: the gateway calls them by name."""
     from ray.serve.context import _get_global_client
 
     gateway = config.gateway
-    host, port, prefix = gateway.host, gateway.port, gateway.route_prefix
-    quiet = {"enable_access_log": False}  # a line per request would bury the progress bar
-    if "access_log" not in gateway.model_fields_set:
-        gateway.access_log = False
     running = _get_global_client(raise_if_no_controller_running=False)
     if running is None:
         # One proxy, on the head: agents use one address (a proxy per node would also collide on a shared host).
-        http = {"host": host, "port": port}
-        serve.start(proxy_location="HeadOnly", http_options=http, logging_config=quiet, **serve_start_options())
+        http = {"host": gateway.host, "port": gateway.port}
+        serve.start(proxy_location="HeadOnly", http_options=http, logging_config=QUIET, **serve_start_options())
+        serving = Serving(gateway.host, gateway.port, True)
     else:
-        host, port = running.http_config.host, running.http_config.port
-    if config.rollout.pool is not None:  # the shared engines first: the gateway calls them by name
+        serving = Serving(running.http_config.host, running.http_config.port, False)
+    if config.rollout.pool is not None:
         join_engine_pool(config, version)
+    return serving
+
+
+def deploy_gateway(config: RLGateConfig, serving: Serving, version: int, key: AdminKey) -> str:
+    """The gateway and rollout engines on Serve's proxy (each Gateway replica checks
+    ``key`` against the proxy's host); returns the URL agents use."""
+    gateway = config.gateway
+    prefix = gateway.route_prefix
+    if "access_log" not in gateway.model_fields_set:
+        gateway.access_log = False
     app = build_app(config, hash_key(key.value), initial_version=version, key_fit_for_public=key.fit_for_public)
-    serve.run(app, name=app_name(config.gateway.run_name, prefix), route_prefix=prefix, logging_config=quiet)
-    address = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    url = f"http://{address}:{port}{prefix.rstrip('/')}"
+    serve.run(app, name=app_name(gateway.run_name, prefix), route_prefix=prefix, logging_config=QUIET)
+    address = "127.0.0.1" if serving.host in ("0.0.0.0", "::") else serving.host
+    url = f"http://{address}:{serving.port}{prefix.rstrip('/')}"
     print(f"rlgate: gateway at {url} (OpenAI base URL {url}/v1)", flush=True)
     if key.generated:
         print(f"rlgate: admin key (shown once; set RLGATE_ADMIN_KEY to choose it): {key.value}", flush=True)
-    return direct_url(config, address) or url, running is None
+    return direct_url(config, address) or url
+
+
+def serve_gateway(config: RLGateConfig, version: int, key: AdminKey) -> tuple[str, bool]:
+    """Serve started and the gateway deployed, with nothing between them (``rlgate
+    eval``): the URL agents use, and whether this process started Serve."""
+    serving = start_serve(config, version)
+    return deploy_gateway(config, serving, version, key), serving.started
 
 
 def direct_url(config: RLGateConfig, address: str) -> str | None:
