@@ -144,20 +144,32 @@ def start_driver(path: Path, admin_key: str = "train-test-admin-key-0123", env: 
 
 @pytest.mark.timeout(1500)
 def test_a_run_survives_a_killed_worker_and_ctrl_c_then_resumes_from_its_checkpoint(tmp_path):
-    """Its own local Ray, as `python train_driver.py` on a laptop. SIGKILL the Ray
-    Train worker after step 1: Ray Train restarts it from the step-1 checkpoint
-    and the run goes on. Ctrl-C (SIGINT) after step 2, then ``rlgate train
-    --resume`` with more steps: the run finishes from its checkpoint at the right
-    version, on exact weights, having trained no trajectory twice. The HF engine
-    serves (it starts in one process; the vLLM path's pushes are the online test's).
-    Its episodes are a dataset's prompts, scored by a reward function in a file."""
+    """Its own local Ray, as `python train_driver.py` on a laptop, training with
+    [compute] strategy = "fsdp" on two Ray Train workers (gloo) with gradient
+    checkpointing. SIGKILL one worker after step 1: Ray Train restarts the group
+    from the step-1 checkpoint and the run goes on. Ctrl-C (SIGINT) after step 2,
+    then ``rlgate train --resume`` with more steps: the run finishes from its
+    checkpoint at the right version, on exact weights (gathered from the shards),
+    having trained no trajectory twice, with its sharded optimizer state loaded
+    back. The HF engine serves (it starts in one process; the vLLM path's pushes
+    are the online test's). Its episodes are a dataset's prompts, scored by a
+    reward function in a file; [evaluation] plays held-out rows beside the steps."""
     import signal
     import time
 
     import psutil
 
-    tracked = "[logging]\ntensorboard = true\nsamples_per_step = 2"
-    path = config(tmp_path, total_steps=3, save_every=1, engine="hf", task=vowels_dataset(tmp_path), more=tracked)
+    more = "[logging]\ntensorboard = true\nsamples_per_step = 2\n"
+    more += '[compute]\ntrainer_workers = 2\ncpus_per_worker = 0.5\nstrategy = "fsdp"\n'
+    more += "[evaluation]\nevery_n_iters = 1\nseeds = [0, 1]\nn = 2\npass_threshold = 0.4\n"
+
+    def fsdp_config(total_steps: int) -> Path:
+        path = config(tmp_path, total_steps, save_every=1, engine="hf", task=vowels_dataset(tmp_path), more=more)
+        text = path.read_text().replace("[rollout]\n", "[rollout]\nnum_cpus = 0.5\n")
+        path.write_text(text.replace("[training]\n", "[training]\ngradient_checkpointing = true\n"))
+        return path
+
+    path = fsdp_config(3)
     run = tmp_path / "runs" / "e2e"
     driver = start_driver(path)
 
@@ -176,10 +188,11 @@ def test_a_run_survives_a_killed_worker_and_ctrl_c_then_resumes_from_its_checkpo
 
     try:
         wait_for_step(1)
-        [worker] = workers()
-        worker.send_signal(signal.SIGKILL)
+        first = {w.pid for w in workers()}
+        assert len(first) == 2
+        workers()[-1].send_signal(signal.SIGKILL)
         wait_for_step(2)
-        assert [w.pid for w in workers()] != [worker.pid]  # a new worker trained step 2
+        assert not first & {w.pid for w in workers()}  # a new group of workers trained step 2
         driver.send_signal(signal.SIGINT)
         output, _ = driver.communicate(timeout=300)
     finally:
@@ -192,17 +205,19 @@ def test_a_run_survives_a_killed_worker_and_ctrl_c_then_resumes_from_its_checkpo
     stopped_at = steps()
     assert stopped_at in (2, 3)  # a step under way when Ctrl-C came may finish first
 
-    more = config(tmp_path, total_steps=4, save_every=1, engine="hf", task=vowels_dataset(tmp_path), more=tracked)
-    resumed = train(more, "--resume", command="rlgate")  # `rlgate train` with no gateway: the run, here
+    longer = fsdp_config(4)
+    resumed = train(longer, "--resume", command="rlgate")  # `rlgate train` with no gateway: the run, here
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     metrics = lines(run / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4] and [m["version"] for m in metrics] == [1, 2, 3, 4]
     for m in metrics:
-        # the engine sampled these tokens with the weights the trainer holds: every push was exact,
-        # the restarted worker held the weights, the resumed engines started on the trained ones
-        assert m["train_logprob_mismatch_max"] < 1e-4
+        # the engine sampled these tokens with the weights the trainer holds: every push (gathered from the
+        # shards) was exact, the restarted workers held the weights, the resumed engines started on the trained
+        # ones. On failure: each trained record's token versions, which say where its tokens came from.
+        assert m["train_logprob_mismatch_max"] < 1e-4, (m, sampled_versions(run))
         assert m["staleness"] == 0  # S = 0: nothing older than the current version
-        assert m["samples"] == 8
+        assert m["samples"] == 8 and m["train_peak_memory_mib"] > 0
+        assert 0 < m["train_compute_s"] < m["step_s"] and 0 < m["train_publish_s"] < m["step_s"], m  # where it went
     assert all(m["dropped"] == 0 for m in metrics[:stopped_at])  # the killed worker cost no episode
     # episodes the stopped run finished at its last version, beyond what the resumed run trains at that
     # version, go stale once it moves on: dropped (kept on disk, never trained), at most a batch of them
@@ -226,15 +241,25 @@ def test_a_run_survives_a_killed_worker_and_ctrl_c_then_resumes_from_its_checkpo
     samples = events.Tensors("samples/text_summary")[-1].tensor_proto.string_val[0].decode()
     assert samples.count("| 4 | row-") == 2 and "Say something about" in samples
 
-    # The latest checkpoint is a Hugging Face folder whose weights moved away from the start.
+    # The latest checkpoint is a whole Hugging Face model (not a shard) whose weights moved away from the
+    # start, beside every parameter's AdamW state, whole.
     states = {p.parent: json.loads(p.read_text()) for p in run.glob("trainer/step-*/trainer_state.json")}
     latest = max(states, key=lambda p: states[p]["next_command"])
     assert states[latest]["version"] == 4
     trained = load_file(latest / "model" / "model.safetensors")
     start = load_file(prepare_model("tiny-random") / "model.safetensors")
-    assert any(not torch.equal(trained[name], start[name]) for name in start)
+    assert trained.keys() == start.keys() and any(not torch.equal(trained[k], start[k]) for k in start)
+    optimizer = torch.load(latest / "optimizer.pt", weights_only=True)
+    assert len(optimizer["state"]) == len(start)
 
-    again = train(more)  # refused before anything starts
+    # [evaluation] ran beside the steps on held-out rows; the last one, at step 4, was waited for
+    evaluations = lines(run / "eval.jsonl")
+    assert evaluations and all(e["eval_episodes"] + e["eval_failed"] == 4 for e in evaluations)
+    assert [e["step"] for e in evaluations] == sorted({e["step"] for e in evaluations}) and evaluations[-1]["step"] == 4
+    assert {m["eval_step"] for m in metrics if "eval_step" in m} <= {e["step"] for e in evaluations}
+    assert all(set(e["seeds"][0]["pass_at"]) == {"1", "2"} for e in evaluations)
+
+    again = train(longer)  # refused before anything starts
     assert again.returncode != 0 and "already has checkpoints; pass --resume" in again.stderr
 
 
@@ -540,51 +565,6 @@ def test_a_lora_run_trains_an_adapter_that_the_engine_serves_and_a_resume_goes_o
     assert [s["seed"] for s in report["seeds"]] == [0, 1, 2, 3] and report["episodes"] + report["failed"] == 8
     assert set(report["pass_at"]) == {"1", "2"} and 0 <= report["mean_reward"] <= 1
     assert "pass@2" in evaluated.stdout  # the table (the JSON went to its file)
-
-
-def test_two_fsdp_workers_train_exact_weights_and_resume_their_sharded_optimizer(tmp_path, joined):
-    """[compute] strategy = "fsdp" with two Ray Train workers (gloo) and gradient
-    checkpointing: the weights gathered from the shards reach the engine exactly
-    (the engine's logprobs are the trainer's), the checkpoint is a whole Hugging
-    Face model, and a resume loads the sharded optimizer state back."""
-
-    def fsdp_config(total_steps: int) -> Path:
-        path = config(tmp_path, total_steps=total_steps, save_every=1, engine="hf")
-        text = re.sub(r"\nport = \d+\n", f'\nport = {joined.port}\nroute_prefix = "/fsdp"\n', path.read_text())
-        text = text.replace("[rollout]\n", "[rollout]\nnum_cpus = 0.5\n")
-        text = text.replace("[training]\n", "[training]\ngradient_checkpointing = true\n")
-        text += '[compute]\ntrainer_workers = 2\ncpus_per_worker = 0.5\nstrategy = "fsdp"\n'
-        text += "[evaluation]\nevery_n_iters = 1\nseeds = [0, 1]\nn = 2\npass_threshold = 0.4\n"
-        path.write_text(text)
-        return path
-
-    first = train(fsdp_config(2), env=joined.env)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    resumed = train(fsdp_config(3), "--resume", env=joined.env)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    run = tmp_path / "runs" / "e2e"
-    metrics = lines(run / "metrics.jsonl")
-    assert [m["version"] for m in metrics] == [1, 2, 3]
-    for m in metrics:  # on failure: each trained record's token versions, which say where its tokens came from
-        assert m["train_logprob_mismatch_max"] < 1e-4 and m["samples"] == 8 and m["train_peak_memory_mib"] > 0, (
-            m,
-            sampled_versions(run),
-        )
-        assert 0 < m["train_compute_s"] < m["step_s"] and 0 < m["train_publish_s"] < m["step_s"], m  # where it went
-    states = {p.parent: json.loads(p.read_text()) for p in run.glob("trainer/step-*/trainer_state.json")}
-    latest = max(states, key=lambda p: states[p]["next_command"])
-    trained = load_file(latest / "model" / "model.safetensors")
-    start = load_file(prepare_model("tiny-random") / "model.safetensors")
-    assert trained.keys() == start.keys() and any(not torch.equal(trained[k], start[k]) for k in start)
-    optimizer = torch.load(latest / "optimizer.pt", weights_only=True)
-    assert len(optimizer["state"]) == len(start)  # every parameter's AdamW state, whole, not one shard's
-
-    # [evaluation] ran beside the steps: each run's first evaluation at least, and the last one waited for
-    evaluations = lines(run / "eval.jsonl")
-    assert len(evaluations) >= 2 and all(e["eval_episodes"] + e["eval_failed"] == 4 for e in evaluations)
-    assert [e["step"] for e in evaluations] == sorted({e["step"] for e in evaluations})
-    assert {m["eval_step"] for m in metrics if "eval_step" in m} <= {e["step"] for e in evaluations}
-    assert all(set(e["seeds"][0]["pass_at"]) == {"1", "2"} for e in evaluations)
 
 
 def test_two_runs_share_one_engine_each_training_and_served_by_its_own_adapter(tmp_path, joined):
