@@ -37,6 +37,7 @@ from rlgate.run import NAMESPACE, actor_name
     health_check_period_s=10,
     health_check_timeout_s=60,
     graceful_shutdown_timeout_s=30,
+    graceful_shutdown_wait_loop_s=0.5,  # as the Gateway's: each stop waits at least this long
 )
 class RolloutServer:
     async def __init__(self, config: dict, model_path: str, initial_version: int = 0, pool: str | None = None) -> None:
