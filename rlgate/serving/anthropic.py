@@ -30,15 +30,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from anthropic.types import Message, TextBlock, ToolUseBlock, Usage
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rlgate.serving import api
 from rlgate.serving.errors import HTTPError, anthropic_error_body, invalid_translation
 from rlgate.sessions.manager import SessionError
+
+if TYPE_CHECKING:
+    from anthropic.types import Message
 
 ID_PREFIX = "msg_"
 
@@ -206,6 +208,8 @@ def _arguments(text: str) -> dict:
 
 
 def to_message(completion: ChatCompletion) -> Message:
+    from anthropic.types import Message, TextBlock, ToolUseBlock, Usage  # ~1 s to import: on first use, not at start
+
     [choice] = completion.choices
     content: list[TextBlock | ToolUseBlock] = []
     if choice.message.content:
