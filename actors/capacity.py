@@ -78,7 +78,7 @@ class CapacityActor:
         self.unknown: set[str] = set()
         name = (ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None) or "rlgate-capacity"
         self.metrics = Metrics(run_of(name, "capacity"))
-        self._state_log, self._state_bytes, self.state_rewrite_bytes = None, 0, STATE_REWRITE_BYTES
+        self._state_log, self._state_bytes, self.state_rewrite_bytes = None, None, STATE_REWRITE_BYTES
         restarted = ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
         if restarted and self.state_path is not None and self.state_path.exists():
             with self.state_path.open() as lines:
@@ -119,11 +119,12 @@ class CapacityActor:
         if self.state_path is None:
             return
         line = (json.dumps(self._state()) + "\n").encode()
-        if self._state_log is None or self._state_bytes + len(line) > self.state_rewrite_bytes:
+        if self._state_bytes is None or self._state_bytes + len(line) > self.state_rewrite_bytes:
             self._rewrite(line)
             return
-        append_whole(self._state_log, line)  # whole or not at all: the last whole line is the state
-        self._state_bytes += len(line)
+        size, self._state_bytes = self._state_bytes, None  # unknown if the append fails: rewritten next
+        # whole or not at all: the last whole line is the state
+        self._state_bytes = append_whole(self._state_log, line, whole_at=size)
 
     def _rewrite(self, line: bytes) -> None:
         """The state log as this one line (a new file renamed over the old: a crash leaves either)."""
@@ -305,10 +306,14 @@ class CapacityClient:
     When a call finds the actor dead or restarted (the call failed, or it was
     refused as :class:`HolderUnknown`), whether it took effect is unknown, so
     the client waits for its other calls to settle, tells the actor how many
-    sessions the holder holds (``count()``, exact: a session is in it from the
-    moment its acquire returns until its release is sent) and goes on: an
+    sessions the holder holds and goes on: an
     acquire is made again, a release is then done (its accepted session noted
     with ``note_accepted``, which at worst counts it twice and so admits fewer).
+
+    What it holds is ``count()`` (a session is in it from the moment its acquire
+    returns until its release is called) plus the releases called but not sent
+    yet: one waiting behind a recount is still held when the recount is made,
+    and is taken off when it is sent.
     """
 
     def __init__(self, actor, holder: str, count: Callable[[], int] = lambda: 0) -> None:
@@ -318,6 +323,7 @@ class CapacityClient:
         self._recovering = asyncio.Lock()
         self._lost = False
         self._reconciling = None  # the holder's (re)start count, sent but not yet applied
+        self._unsent_releases = 0  # releases called, not yet sent: still held
 
     async def acquire(self, timeout_s: float = 0.0, task_id: str | None = None, group_size: int | None = None) -> bool:
         while (granted := await self._call("acquire", timeout_s, task_id, group_size, self.holder)) is _RESTARTED:
@@ -325,6 +331,7 @@ class CapacityClient:
         return granted
 
     async def release(self, accepted: bool) -> None:
+        self._unsent_releases += 1  # before any await: its session has just left count()
         if await self._call("release", accepted, self.holder) is _RESTARTED and accepted:
             await self.actor.note_accepted.remote(1)
 
@@ -341,14 +348,19 @@ class CapacityClient:
         holder has reconciled since)."""
         from ray.exceptions import RayActorError
 
-        if self._reconciling is not None:
-            try:
-                await self._reconciling
-            except RayActorError:  # the actor died under it: recover says the count again
-                self._lost = True
-            self._reconciling = None
-        await self._recover()
-        self._in_flight += 1
+        try:
+            if self._reconciling is not None:
+                try:
+                    await self._reconciling
+                except RayActorError:  # the actor died under it: recover says the count again
+                    self._lost = True
+                self._reconciling = None
+            await self._recover()
+        except BaseException:  # never sent: a release is not coming either (its caller hears why)
+            self._unsent_releases -= method == "release"
+            raise
+        self._in_flight += 1  # from here a recount waits for this call, and no longer counts a release as held
+        self._unsent_releases -= method == "release"
         try:
             return await getattr(self.actor, method).remote(*args)
         except (RayActorError, HolderUnknown) as err:
@@ -372,7 +384,7 @@ class CapacityClient:
             deadline, pause = time.monotonic() + RECOVER_S, 0.1
             while True:
                 try:  # the actor may still be restarting (ActorUnavailableError): ask until it answers
-                    await self.actor.reconcile.remote(self.count(), self.holder)
+                    await self.actor.reconcile.remote(self.count() + self._unsent_releases, self.holder)
                     break
                 except ActorUnavailableError as err:  # restarting; a dead actor (ActorDiedError) fails at once
                     if time.monotonic() > deadline:

@@ -586,3 +586,55 @@ async def test_a_holders_calls_wait_until_its_start_count_is_applied():
     client.reconcile(0)
     assert await client.acquire() and await client.acquire()
     assert order == [("reconcile", 0), ("acquire",), ("acquire",)]
+
+
+async def test_a_session_that_ends_while_its_holder_recounts_is_taken_off_once():
+    """A call that meets the actor's restart makes the holder recount what it
+    holds, asking again while the actor is still restarting. A session that ends
+    meanwhile has left the count before its release is sent: the recount must
+    include it (its release is still to come), or the release takes it off a
+    second time and the actor admits one session past the bound."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    from rlgate.actors.capacity import CapacityClient
+
+    state = {"held": 2}
+    refusals = {"acquire": 1, "reconcile": 1}  # the acquire meets the death; the first recount the restart
+
+    async def acquire(timeout_s, task_id, group_size, holder) -> bool:
+        if refusals["acquire"]:
+            refusals["acquire"] -= 1
+            raise RayActorError()
+        state["held"] += 1
+        return True
+
+    async def reconcile(running: int, holder: str) -> None:
+        if refusals["reconcile"]:
+            refusals["reconcile"] -= 1
+            raise ActorUnavailableError("restarting", None)
+        state["held"] = running
+
+    async def release(accepted: bool, holder: str) -> None:
+        state["held"] -= 1
+
+    class Method:
+        def __init__(self, call) -> None:
+            self.call = call
+
+        def remote(self, *args):
+            return asyncio.ensure_future(self.call(*args))
+
+    actor = type(
+        "Actor",
+        (),
+        {name: Method(call) for name, call in [("acquire", acquire), ("reconcile", reconcile), ("release", release)]},
+    )()
+    held = ["a", "b"]
+    client = CapacityClient(actor, "store", count=lambda: len(held))
+    acquiring = asyncio.ensure_future(client.acquire())
+    await asyncio.sleep(0.03)  # the acquire failed, the first recount was refused: the client waits to ask again
+    assert refusals == {"acquire": 0, "reconcile": 0} and not acquiring.done()
+    held.remove("b")  # session b ends: out of the count, its release on its way
+    await asyncio.gather(acquiring, client.release(accepted=True))
+    held.append("c")  # the acquire's session
+    assert state["held"] == len(held) == 2
