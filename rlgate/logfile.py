@@ -27,12 +27,17 @@ def open_log(path, opener: Callable = open):
     return opener(path, "a+b", buffering=0)
 
 
-def append_whole(handle, data: bytes, sync: bool = False) -> None:
+def append_whole(handle, data: bytes, sync: bool = False, whole_at: int | None = None) -> int:
     """Append ``data`` (whole lines) to ``handle`` (from :func:`open_log`), and
-    fsync it when ``sync``. On any error the file is cut back to its size before
-    the call, and the error is raised."""
+    fsync it when ``sync``; returns the file's size after it. On any error the
+    file is cut back to its size before the call, and the error is raised.
+
+    ``whole_at``: the size this call's caller last saw the file end at on a whole
+    line (what the previous append returned), when it alone appends to the file:
+    the file is then not looked at first (two system calls per line on a hot
+    log). Forget it after an error (the cut back may have failed)."""
     fd = handle.fileno()
-    start = cut_torn_tail(fd)
+    start = cut_torn_tail(fd) if whole_at is None else whole_at
     try:
         view = memoryview(data)
         while view:
@@ -46,6 +51,7 @@ def append_whole(handle, data: bytes, sync: bool = False) -> None:
         except OSError:  # the next append cuts the fragment (cut_torn_tail)
             logger.exception("could not cut a failed write back from %s", getattr(handle, "name", fd))
         raise
+    return start + len(data)
 
 
 def cut_torn_tail(fd: int) -> int:

@@ -47,10 +47,12 @@ class SessionJournal:
         self.compact_bytes = compact_bytes
         self._compacted = 0  # the size the last compaction left
         self._file = open_log(self.path)
+        self._end: int | None = None  # where the file ends on a whole line, once this journal has written it
 
     def _write(self, entry: dict) -> None:
+        end, self._end = self._end, None  # forgotten if the append fails: the next one looks at the file
         # ASCII: any str Python holds (a lone surrogate too) writes
-        append_whole(self._file, (json.dumps(entry) + "\n").encode())
+        self._end = append_whole(self._file, (json.dumps(entry) + "\n").encode(), whole_at=end)
 
     # --- changes -------------------------------------------------------------------
 
@@ -167,9 +169,10 @@ class SessionJournal:
         ``ended`` keys, atomically; on an error the journal stays as it was."""
         temporary = self.path.with_suffix(".tmp")
         temporary.unlink(missing_ok=True)
-        previous = self._file
+        previous, previous_end = self._file, self._end
         try:
             with open_log(temporary) as self._file:
+                self._end = None
                 cutoff = time.time() - ENDED_MEMORY_S
                 for key_hash, at in ended.items():
                     if at >= cutoff:
@@ -186,9 +189,9 @@ class SessionJournal:
             temporary.unlink(missing_ok=True)
             raise
         finally:
-            self._file = previous
+            self._file, self._end = previous, previous_end
         self._file.close()
-        self._file = open_log(self.path)
+        self._file, self._end = open_log(self.path), None
         self._compacted = self._file.tell()
 
     def too_big(self) -> bool:
