@@ -34,6 +34,7 @@ COMPACT_BYTES = 64 * 2**20
 # logprobs as Python objects in lists: measured 4.4x for multi-turn chat sessions).
 REPLAY_EXPANSION = 8
 ENDED_MEMORY_S = 24 * 3600.0  # ended keys kept (for 410 answers) across a restart
+OPEN_FIELDS = ("task_id", "key_hash", "created_at", "group_size", "train")  # every open line has them
 
 
 class JournalTooBig(Exception):
@@ -120,7 +121,7 @@ class SessionJournal:
         for entry in self._entries():
             try:
                 self._apply(entry, sessions, ended)
-            except (KeyError, TypeError, ValueError) as err:  # one bad line costs that line, not the store
+            except Exception as err:  # one bad line costs that line, not the store (nor a restart loop)
                 logger.warning("journal %s: skipped an entry it cannot apply (%s): %.200s", self.path, err, entry)
         cutoff = time.time() - ENDED_MEMORY_S
         live_keys = {s["key_hash"] for s in sessions.values()}
@@ -131,6 +132,8 @@ class SessionJournal:
     def _apply(entry: dict, sessions: dict[str, dict], ended: dict[str, float]) -> None:
         op, session_id = entry["op"], entry.get("id")
         if op == "open":
+            for field in OPEN_FIELDS:  # what taking the session back reads
+                entry[field]
             trajectory = SessionTrajectory(session_id, entry["task_id"])
             trajectory.created_at = entry["created_at"]
             sessions[session_id] = {**entry, "trajectory": trajectory}
@@ -148,10 +151,11 @@ class SessionJournal:
                 if interaction_id in interactions:
                     interactions[interaction_id].reward = reward
         elif op == "end":
+            at = float(entry["at"])
             sessions.pop(session_id, None)
-            ended[entry["key_hash"]] = entry["at"]
+            ended[entry["key_hash"]] = at
         elif op == "ended":  # a compacted file's memory of ended keys
-            ended[entry["key_hash"]] = entry["at"]
+            ended[entry["key_hash"]] = float(entry["at"])
 
     def _entries(self):
         if not self.path.exists():

@@ -285,9 +285,16 @@ def test_a_line_it_cannot_apply_costs_that_line_only(tmp_path, caplog):
     with open(path, "a") as handle:  # damaged lines in the middle: not JSON, and an entry that does not apply
         handle.write('{"op": "record", "id": "\n')
         handle.write(json.dumps({"op": "record", "id": a, "interactions": [{"unknown": 1}]}) + "\n")
+        for damaged in (
+            {"op": "rewards", "id": a, "rewards": [1]},  # not a mapping
+            {"op": "record", "id": a, "prompts": [[1]], "interactions": [{"prompt_ids": 5}]},  # no such prompt
+            {"op": "end", "id": "sess-x", "key_hash": "hash-x", "at": "x"},  # not a time
+            {"op": "open", "id": "sess-z", "task_id": "t", "key_hash": "hash-z", "created_at": 1.0},  # fields missing
+        ):
+            handle.write(json.dumps(damaged) + "\n")
     b = asyncio.run(store.start("task", "hash-b"))  # written after them
     restored = manager(SessionJournal(path), [])
     with caplog.at_level(logging.WARNING):
         assert restored.restore() == 2
     assert set(restored.sessions) == {a, b} and list(restored.sessions[a].trajectory.interactions) == ["c0"]
-    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) >= 2, caplog.text  # one per line
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) >= 6, caplog.text  # one per line
