@@ -326,12 +326,30 @@ class CapacityClient:
         self._unsent_releases = 0  # releases called, not yet sent: still held
 
     async def acquire(self, timeout_s: float = 0.0, task_id: str | None = None, group_size: int | None = None) -> bool:
+        """As the actor's; a caller cancelled while it waits (its client hung up)
+        leaves the call going on, and a slot it is granted then is given back."""
+        task = asyncio.ensure_future(self._acquire(timeout_s, task_id, group_size))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._give_back)
+            raise
+
+    async def _acquire(self, timeout_s: float, task_id: str | None, group_size: int | None) -> bool:
         while (granted := await self._call("acquire", timeout_s, task_id, group_size, self.holder)) is _RESTARTED:
             pass
         return granted
 
+    def _give_back(self, acquired: asyncio.Future) -> None:
+        if not acquired.cancelled() and acquired.exception() is None and acquired.result():
+            self._unsent_releases += 1  # held (no session counts it) until its release is sent
+            asyncio.ensure_future(self._release(accepted=False))
+
     async def release(self, accepted: bool) -> None:
         self._unsent_releases += 1  # before any await: its session has just left count()
+        await self._release(accepted)
+
+    async def _release(self, accepted: bool) -> None:
         if await self._call("release", accepted, self.holder) is _RESTARTED and accepted:
             await self.actor.note_accepted.remote(1)
 

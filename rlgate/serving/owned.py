@@ -87,6 +87,7 @@ class OwnedSessions(LocalSessions):
         )
         reconcile(self.manager.restore())
         self._orphans = [] if resume else list(self.manager.sessions)
+        self.manager.close_keys(self._orphans)  # their agents are gone: 410 from the first call on
         self._ending_orphans: asyncio.Task | None = None
         self._sweep_every = min(10.0, settings["session_timeout_s"] / 4)
         self._sweeper: asyncio.Task | None = None
@@ -134,7 +135,16 @@ class OwnedSessions(LocalSessions):
         await super().record(session_id, interactions)
         self.metrics.inc("rlgate_completion_tokens_total", sum(len(i.completion_ids) for i in interactions))
 
+    async def check(self, key_hash: str) -> None:
+        self._ensure_sweeper()
+        await super().check(key_hash)
+
+    async def set_reward(self, key_hash, reward, interaction_id, turn_rewards) -> str:
+        self._ensure_sweeper()
+        return await super().set_reward(key_hash, reward, interaction_id, turn_rewards)
+
     async def end(self, key_hash: str, failed: bool = False) -> int:
+        self._ensure_sweeper()
         try:
             return await super().end(key_hash, failed)
         finally:

@@ -22,7 +22,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from rlgate.sessions.journal import JournalTooBig, SessionJournal
 from rlgate.sessions.trajectory import ExportStyle, Interaction, SessionTrajectory
@@ -81,6 +81,27 @@ class Parent:
     key: str
     sequence: list[int]
     last_token: list[int]
+
+
+T = TypeVar("T")
+
+
+async def to_its_end(work: Awaitable[T]) -> T:
+    """Await ``work`` (a session's end: its save, then its slot's release), which
+    goes on to its finish even if this caller is cancelled (its client hung up:
+    Serve cancels a request's handler then). Cut short, it would leave the
+    session out of its key's reach but never saved nor released."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_log_unheard)
+        raise
+
+
+def _log_unheard(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("a session's end, finished after its caller left, failed: %s", task.exception())
 
 
 class SessionManager:
@@ -203,7 +224,7 @@ class SessionManager:
         self._refreshing.add(refresh_key_hash)
         try:
             if refresh_key_hash in self._by_key:
-                await self._end(self._by_key[refresh_key_hash], reason="refreshed")
+                await to_its_end(self._end(self._by_key[refresh_key_hash], reason="refreshed"))
                 self.counters["refreshed"] += 1
             if not await self.capacity.acquire(max(self.refresh_timeout_s, wait_s), task_id, group_size):
                 self.counters["rejected"] += 1
@@ -270,7 +291,7 @@ class SessionManager:
         is trained on). Returns how many completions the session recorded."""
         session = self._live(key_hash)
         count = len(session.trajectory)
-        await self._end(session.id, reason="failed" if failed else "ended")
+        await to_its_end(self._end(session.id, reason="failed" if failed else "ended"))
         return count
 
     async def _end(self, session_id: str, reason: str) -> None:
@@ -300,13 +321,13 @@ class SessionManager:
                 await self.persist(records)
         except SessionError:
             session.ending = False
-            self._by_key[session.key_hash] = session_id
+            self._reopen(session)
             raise
         except Exception as err:
             # Put back as it was, but closed to changes: the export may have reached the disk (the
             # store died before answering), and a retried end must export the same thing again.
             session.ending, session.save_failed = False, True
-            self._by_key[session.key_hash] = session_id
+            self._reopen(session)
             raise SessionError(503, f"could not save the trajectory ({err}); the session is still open, retry") from err
         finally:
             self._closing.discard(session.key_hash)
@@ -329,19 +350,37 @@ class SessionManager:
 
     async def expire_idle(self) -> int:
         """End every session idle past the timeout; return how many."""
-        now = time.monotonic()
-        cutoff = now - self.session_timeout_s
-        idle = [s.id for s in self.sessions.values() if s.last_active < cutoff and not s.ending and not s.busy(now)]
+
+        def idle(session: Session) -> bool:
+            now = time.monotonic()
+            return session.last_active < now - self.session_timeout_s and not session.ending and not session.busy(now)
+
         ended = 0
-        for session_id in idle:
-            if session_id in self.sessions and not self.sessions[session_id].ending:
-                try:
-                    await self._end(session_id, reason="timeout")
-                except SessionError:
-                    continue  # still open; the next sweep retries it
-                self.counters["expired"] += 1
-                ended += 1
+        for session_id in [s.id for s in self.sessions.values() if idle(s)]:
+            # looked at again: while the one before was being saved, this one may have had a request
+            if session_id not in self.sessions or not idle(self.sessions[session_id]):
+                continue
+            try:
+                await self._end(session_id, reason="timeout")
+            except SessionError:
+                continue  # still open; the next sweep retries it
+            self.counters["expired"] += 1
+            ended += 1
         return ended
+
+    def _reopen(self, session: Session) -> None:
+        """A session whose end failed is reachable by its key again, unless its key was closed."""
+        if session.key_hash not in self._ended:
+            self._by_key[session.key_hash] = session.id
+
+    def close_keys(self, session_ids: list[str]) -> None:
+        """From now on these sessions' keys answer 410, as ended; the sessions stay
+        until :meth:`end_sessions` saves them (an earlier application's, whose agents are gone)."""
+        now = time.time()
+        for session_id in session_ids:
+            key_hash = self.sessions[session_id].key_hash
+            self._by_key.pop(key_hash, None)
+            self._ended[key_hash] = now
 
     async def end_sessions(self, session_ids: list[str], reason: str) -> None:
         """End these sessions if still open; one that cannot be saved now stays open

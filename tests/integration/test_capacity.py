@@ -638,3 +638,40 @@ async def test_a_session_that_ends_while_its_holder_recounts_is_taken_off_once()
     await asyncio.gather(acquiring, client.release(accepted=True))
     held.append("c")  # the acquire's session
     assert state["held"] == len(held) == 2
+
+
+async def test_a_slot_granted_after_its_caller_hung_up_is_given_back():
+    """A start that waits for capacity is cancelled when its client hangs up, but
+    the actor's wait goes on and may grant a slot no session will hold: the
+    client gives it back."""
+    from rlgate.actors.capacity import CapacityClient
+
+    state, freed = {"held": 0, "released": []}, asyncio.Event()
+
+    async def acquire(timeout_s, task_id, group_size, holder) -> bool:
+        await freed.wait()  # a slot comes free after the caller left
+        state["held"] += 1
+        return True
+
+    async def release(accepted: bool, holder: str) -> None:
+        state["held"] -= 1
+        state["released"].append(accepted)
+
+    class Method:
+        def __init__(self, call) -> None:
+            self.call = call
+
+        def remote(self, *args):
+            return asyncio.ensure_future(self.call(*args))
+
+    actor = type("Actor", (), {"acquire": Method(acquire), "release": Method(release)})()
+    client = CapacityClient(actor, "store")
+    waiting = asyncio.ensure_future(client.acquire(30.0))
+    await asyncio.sleep(0.01)
+    waiting.cancel()
+    freed.set()
+    for _ in range(100):
+        if state["released"]:
+            break
+        await asyncio.sleep(0.005)
+    assert waiting.cancelled() and state == {"held": 0, "released": [False]}

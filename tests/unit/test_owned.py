@@ -193,3 +193,33 @@ def test_the_training_driver_plays_on_the_direct_port_only_where_it_answers():
     assert direct_url(parse_config({}), "127.0.0.1") is None  # no direct port
     nobody = parse_config({"gateway": {"direct_port": free_port()}})
     assert direct_url(nobody, "127.0.0.1") is None  # nothing answers there (the replica is on another node)
+
+
+async def test_a_new_applications_first_call_already_finds_the_old_keys_ended(tmp_path):
+    """The orphans are saved in the background, but from the moment the new owner
+    exists their keys answer 410, whichever call comes first: none adds to a
+    session of an application that is gone, nor ends it as if its agent had."""
+    from rlgate.sessions.manager import SessionError
+
+    journal, slots, saved = tmp_path / "journal.jsonl", Slots(), []
+    (await open_two(journal, slots, saved)).close()
+
+    fresh = owner(journal, slots, saved, resume=False)
+    for call in (
+        lambda: fresh.set_reward(hash_key("a"), 1.0, None, None),
+        lambda: fresh.end(hash_key("b")),
+        lambda: fresh.begin(hash_key("a"), []),
+        lambda: fresh.check(hash_key("b")),
+    ):
+        with pytest.raises(SessionError) as refused:
+            await call()
+        assert refused.value.status == 410, refused.value.message
+    for _ in range(100):
+        if len(saved) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert sorted((r["task_id"], r["reward"], r["end_reason"]) for r in saved) == [
+        ("a", 0.5, "restart"),
+        ("b", 0.0, "restart"),
+    ]
+    fresh.close()

@@ -462,3 +462,51 @@ def test_keys_are_compared_as_sha256_digests_in_constant_time(monkeypatch):
     assert all(len(a) == len(b) == 64 for a, b in compared)  # hex SHA-256 both sides
     key = new_session_key()
     assert auth.session_key(f"Bearer {key}") == hash_key(key) != key
+
+
+async def test_an_end_whose_caller_is_cancelled_mid_save_still_finishes():
+    """A client that hangs up while its session is being saved cancels the request
+    (Serve cancels a replica's handler on disconnect): the save, the end and the
+    slot's release go on regardless, so the retried end finds the session ended,
+    not an unknown key, and nothing is left half-ended."""
+    m, capacity, persist = make_manager()
+    saving, go_on = asyncio.Event(), asyncio.Event()
+    saved = persist.__call__
+
+    async def slow_persist(records):
+        saving.set()
+        await go_on.wait()
+        await saved(records)
+
+    m.persist = slow_persist
+    a = await m.start("task", "a")
+    m.record(a, [turn("a1")])
+    ending = asyncio.ensure_future(m.end("a"))
+    await saving.wait()
+    ending.cancel()
+    await expect_error(409, lambda: m.begin("a", []))  # being ended right now
+    go_on.set()
+    for _ in range(100):
+        if not m.sessions:
+            break
+        await asyncio.sleep(0.005)
+    assert ending.cancelled()
+    assert [r["session_id"] for r in persist.records] == [a] and capacity.releases == [True]
+    await expect_error(410, lambda: m.end("a"))  # the retried end: ended, saved once
+
+
+async def test_the_idle_sweep_spares_a_session_that_became_busy_while_it_saved_another():
+    m, _, persist = make_manager(session_timeout_s=0.05)
+    a, b = await m.start("task", "a"), await m.start("task", "b")
+    m.record(a, [turn("a1")])
+    await asyncio.sleep(0.08)  # both idle
+    saved = persist.__call__
+
+    async def persist_then_b_gets_a_request(records):
+        m.begin("b", [])  # b's agent sends a turn while a is being saved
+        await saved(records)
+
+    m.persist = persist_then_b_gets_a_request
+    assert await m.expire_idle() == 1
+    assert list(m.sessions) == [b]
+    m.record(b, [turn("b1")])  # its turn is recorded: the session was kept
