@@ -60,9 +60,9 @@ class PolicyStore:
     async def publish(self, version: int, weights: list) -> None:
         """Make ``weights`` ([ObjectRef] of a full state dict) the policy at ``version``
         (newer than the published one, or the same when a restart lost its weights)."""
-        if version < self.version or (version == self.version and not self.weights_lost):
-            raise ValueError(f"version {version} is not newer than the published version {self.version}")
-        async with self._changed:
+        async with self._changed:  # checked under the lock: two publishes waiting for it apply in turn
+            if version < self.version or (version == self.version and not self.weights_lost):
+                raise ValueError(f"version {version} is not newer than the published version {self.version}")
             self.version, self.weights, self.weights_lost = version, weights, False
             self._save()
             self._changed.notify_all()

@@ -357,7 +357,12 @@ class VLLMEngine(Engine):
             started = asyncio.get_running_loop().time()
             name = adapter_name(tenant, version)
             folder = await asyncio.to_thread(weights.write, self._lora_dir / f"{name}-{uuid.uuid4().hex[:8]}")
-            await self._add_adapter(folder, version, tenant)
+            try:
+                await self._add_adapter(folder, version, tenant)
+            except BaseException:  # not loaded: its copy goes (a follower retrying would pile them up)
+                if all(request.lora_path != str(folder) for request in self._loras.values()):
+                    shutil.rmtree(folder, ignore_errors=True)
+                raise
             seconds = asyncio.get_running_loop().time() - started
         return WeightUpdateReport(version=version, seconds=seconds, tensors=len(weights.tensors))
 
