@@ -187,6 +187,12 @@ def leave_pool(pool: str, run: str) -> None:
         ray.kill(lease)
 
 
+def _heard(task: asyncio.Future) -> None:
+    """A refresh whose request left: its error is the watch's to retry, not unheard."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.info("serving a pool run for a request that went away failed: %s", task.exception())
+
+
 class PoolTenants:
     """A pool replica's runs: each served by the engine as a tenant, followed from its own PolicyStore."""
 
@@ -256,9 +262,15 @@ class PoolTenants:
                 await asyncio.sleep(2.0)
 
     async def ensure(self, run: str) -> None:
-        """Make sure ``run`` is served here (a request may come before the watch sees it join)."""
+        """Make sure ``run`` is served here (a request may come before the watch sees it join).
+
+        The change goes on to its end if the request is cancelled (its client hung
+        up): cut short, a run could stay the engine's tenant with no follower, and
+        a new run of its name would then start on the old one's adapter."""
         if run not in self.followers:
-            await self.refresh(timeout_s=0)
+            refresh = asyncio.ensure_future(self.refresh(timeout_s=0))
+            refresh.add_done_callback(_heard)
+            await asyncio.shield(refresh)
 
     async def stop(self) -> None:
         if self._task is not None:

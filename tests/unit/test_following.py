@@ -55,3 +55,61 @@ async def test_an_adapter_the_engine_refuses_leaves_no_copy_behind(tiny_path):
         engine._llm = None
         await engine.shutdown()  # its shared-memory folder goes
     assert not engine._lora_dir.exists()
+
+
+async def test_a_pool_run_added_for_a_request_that_went_away_is_still_followed(monkeypatch):
+    """A request for a run the replica does not serve yet adds it (the engine's
+    tenant, then its follower's catch-up); the request being cancelled half way
+    (its client hung up) must not leave the tenant without a follower."""
+    from rlgate.actors import engine_pool
+    from rlgate.actors.engine_pool import PoolTenants
+
+    catching_up, go_on = asyncio.Event(), asyncio.Event()
+
+    class Remote:
+        def __init__(self, call) -> None:
+            self.remote = call
+
+    async def newer_than(version, timeout_s):  # no newer version: the long poll waits out its time
+        catching_up.set()
+        await go_on.wait()
+        await asyncio.sleep(timeout_s)
+
+    async def nothing(*args):
+        return None
+
+    async def tenants(known, timeout_s):
+        return ("epoch", 1), {"run-a": {"version": 0, "adapter": None, "joined": "j1"}}
+
+    store = type("Store", (), {"newer_than": Remote(newer_than), "ack": Remote(nothing), "forget": Remote(nothing)})()
+    monkeypatch.setattr(engine_pool, "get_actor", lambda run, role: store)
+
+    class Engine:  # a pool engine's tenants
+        def __init__(self) -> None:
+            self.tenants: dict[str, int] = {}
+
+        async def add_tenant(self, run, version, adapter=None):
+            self.tenants[run] = version
+
+        async def drop_tenant(self, run):
+            self.tenants.pop(run, None)
+
+        def tenant_version(self, run):
+            return self.tenants[run]
+
+    pool = object.__new__(PoolTenants)
+    pool.engine, pool.replica, pool.keeper = Engine(), "replica-0", type("K", (), {"tenants": Remote(tenants)})()
+    pool.followers, pool.joined, pool.known, pool.missing = {}, {}, None, set()
+    pool._applying, pool._task = asyncio.Lock(), None
+
+    request = asyncio.ensure_future(pool.ensure("run-a"))
+    await catching_up.wait()  # the tenant is added; its follower is catching up
+    request.cancel()
+    go_on.set()
+    for _ in range(100):
+        if "run-a" in pool.followers:
+            break
+        await asyncio.sleep(0.005)
+    assert request.cancelled()
+    assert pool.engine.tenants == {"run-a": 0} and set(pool.followers) == {"run-a"} and pool.joined == {"run-a": "j1"}
+    await pool.stop()
