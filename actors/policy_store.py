@@ -57,11 +57,16 @@ class PolicyStore:
         temporary.write_text(json.dumps({"version": self.version, "serving": self.serving}))
         os.replace(temporary, self.state_path)
 
-    async def publish(self, version: int, weights: list) -> None:
+    async def publish(self, version: int, weights: list, again: bool = False) -> None:
         """Make ``weights`` ([ObjectRef] of a full state dict) the policy at ``version``
-        (newer than the published one, or the same when a restart lost its weights)."""
+        (newer than the published one, or the same when a restart lost its weights).
+
+        ``again``: the published version made once more, by a trainer worker that
+        restarted from an earlier checkpoint and repeated the steps to it. The
+        first worker owned the weights' object, which died with it: replicas that
+        had not fetched them yet take these instead."""
         async with self._changed:  # checked under the lock: two publishes waiting for it apply in turn
-            if version < self.version or (version == self.version and not self.weights_lost):
+            if version < self.version or (version == self.version and not (self.weights_lost or again)):
                 raise ValueError(f"version {version} is not newer than the published version {self.version}")
             self.version, self.weights, self.weights_lost = version, weights, False
             self._save()

@@ -136,10 +136,13 @@ def train_worker(setup: dict) -> None:
         if rank == 0:
             weights = lora.adapter_of(plain) if adapting is not None else full
             published = surviving(lambda: policy.status.remote(), "the published version")["version"]
-            if new_version > published:  # a restarted worker repeats steps after its checkpoint
+            # A restarted worker repeats the steps after its checkpoint: those published already are
+            # not again, except the last, whose weights' object died with the worker that owned it.
+            again = new_version == published and republisher.latest is None
+            if new_version > published or again:
                 ref = [ray.put(weights)]
                 # made again after a store restart: its saved version then equals this one, weights lost
-                surviving(lambda v=new_version, r=ref: policy.publish.remote(v, r), "publishing")
+                surviving(lambda v=new_version, r=ref, a=again: policy.publish.remote(v, r, a), "publishing")
                 republisher.published(new_version, ref)  # kept: a restarted store gets it again
         metrics["publish_s"] = time.perf_counter() - stepped  # weights gathered and handed to the PolicyStore
         # Every step's metrics go to Ray Train (a collective: every worker reports), with a checkpoint when due.

@@ -113,3 +113,17 @@ async def test_a_pool_run_added_for_a_request_that_went_away_is_still_followed(m
     assert request.cancelled()
     assert pool.engine.tenants == {"run-a": 0} and set(pool.followers) == {"run-a"} and pool.joined == {"run-a": "j1"}
     await pool.stop()
+
+
+async def test_a_restarted_trainer_publishes_the_last_version_again_and_nothing_older():
+    """The weights' object dies with the trainer worker that made it: a replica
+    that had not fetched the last version would wait until the next. The worker
+    that repeats the steps to it publishes it once more; an older one is refused."""
+    store = Store(0, None)
+    await store.publish(3, ["w3 (the worker that died)"])
+    with pytest.raises(ValueError, match="not newer"):
+        await store.publish(3, ["w3"])  # an ordinary publish of the same version
+    with pytest.raises(ValueError, match="not newer"):
+        await store.publish(2, ["w2"], again=True)  # a step repeated before the last one
+    await store.publish(3, ["w3 (repeated)"], again=True)
+    assert await store.newer_than(2, 0) == (3, ["w3 (repeated)"])
