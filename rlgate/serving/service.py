@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -41,6 +42,8 @@ from rlgate.sessions.trajectory import Interaction
 # every other request this process serves; shorter ones stay on the event loop,
 # where a thread hop would cost more than the work.
 OFF_LOOP_CHARS = 32_768
+
+logger = logging.getLogger(__name__)
 
 
 def prompt_chars(messages: list[dict], tools: list[dict] | None, request: api.ChatCompletionRequest) -> int:
@@ -135,12 +138,34 @@ class GatewayService:
         else:
             key, refresh = new_session_key(None if slot is None else slot.index), None
         follow_template = (body.reasoning_history or self.settings.gateway.reasoning_history) == "template"
-        session_id = await self.sessions.start(
-            body.task_id, hash_key(key), refresh, body.group_size, body.wait_s, body.train, follow_template
+        starting = asyncio.ensure_future(
+            self.sessions.start(
+                body.task_id, hash_key(key), refresh, body.group_size, body.wait_s, body.train, follow_template
+            )
         )
+        try:
+            session_id = await asyncio.shield(starting)
+        except asyncio.CancelledError:  # the caller hung up: a session that opens after all has no agent
+            if refresh is None:
+                starting.add_done_callback(lambda started: self._end_unclaimed(started, hash_key(key)))
+            raise
         base = self.settings.gateway.public_url or base_url
         inference_url = f"{base.rstrip('/')}/s/{key}/v1"
         return api.StartSessionResponse(session_id=session_id, api_key=key, inference_url=inference_url)
+
+    def _end_unclaimed(self, started: asyncio.Future, key_hash: str) -> None:
+        """End, with nothing saved, a session that opened for a caller that had left
+        (its key never reached anyone): its slot is free now, not after the idle timeout."""
+        if started.cancelled() or started.exception() is not None:
+            return
+
+        async def end() -> None:
+            try:
+                await self.sessions.end(key_hash, False)
+            except Exception as err:  # the idle sweep ends it in the end
+                logger.warning("could not end a session whose caller left before it opened: %s", err)
+
+        asyncio.ensure_future(end())
 
     async def set_reward(self, body: api.SetRewardRequest, authorization: str | None) -> api.SetRewardResponse:
         key_hash = self.auth.session_key(authorization)

@@ -172,3 +172,56 @@ async def test_a_large_prompt_is_tokenised_off_the_event_loop(served, monkeypatc
         headers={"Authorization": f"Bearer {key}"},
     )
     assert long.status_code == 400 and "the model's context holds" in long.json()["error"]["message"]
+
+
+async def test_a_session_that_opens_after_its_caller_hung_up_is_ended_with_nothing_saved(tmp_path, tiny_tokenizer):
+    """A start waiting for capacity (``wait_s``) whose client hangs up is cancelled,
+    but the session store's side goes on (a remote call is not cancelled with its
+    caller) and may open the session: no agent has its key, so it is ended at
+    once, saving nothing, and its slot is free for the next agent."""
+    import asyncio
+
+    from rlgate.config import parse_config
+    from rlgate.serving import api
+    from rlgate.serving.auth import Auth
+    from rlgate.serving.clients import JobsClient
+    from rlgate.serving.owned import LocalSessions
+    from rlgate.serving.service import GatewayService
+    from rlgate.sessions.manager import SessionManager, hash_key
+
+    freed = asyncio.Event()
+
+    class Slots:  # one slot, held by another agent until `freed`
+        running = 0
+
+        async def acquire(self, timeout_s=0.0, task_id=None, group_size=None) -> bool:
+            await freed.wait()
+            self.running += 1
+            return True
+
+        async def release(self, accepted: bool) -> None:
+            self.running -= 1
+
+    saved: list[dict] = []
+
+    async def persist(records):
+        saved.extend(records)
+
+    slots = Slots()
+    manager = SessionManager(slots, persist)
+    settings = parse_config({"model": {"name": "tiny-random"}, "gateway": {"run_dir": str(tmp_path)}})
+    service = GatewayService(
+        settings, tiny_tokenizer, Auth(hash_key(ADMIN)), LocalSessions(manager), None, None, JobsClient(lambda: None)
+    )
+    body = api.StartSessionRequest(task_id="t", wait_s=30)
+    starting = asyncio.ensure_future(service.start_session(body, "http://gateway", f"Bearer {ADMIN}"))
+    await asyncio.sleep(0.01)
+    starting.cancel()  # the client hung up while it waited
+    freed.set()
+    for _ in range(100):
+        if manager.counters["ended"]:
+            break
+        await asyncio.sleep(0.005)
+    assert starting.cancelled()
+    assert (manager.counters["started"], manager.counters["ended"], manager.sessions) == (1, 1, {})
+    assert slots.running == 0 and saved == []
