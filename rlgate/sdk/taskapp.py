@@ -167,13 +167,21 @@ def create_task_app(
     api_key: str | None = None,
 ):
     """A FastAPI app serving ``/health``, ``/task_info`` and ``/rollout`` around
-    ``rollout``. ``api_key`` (default: ``$ENVIRONMENT_API_KEY``) is required in
-    ``X-API-Key`` on every route when set. A rollout function that raises
-    answers 500 with the error: the trainer counts that episode as failed."""
+    ``rollout``. ``api_key`` (default: ``$ENVIRONMENT_API_KEY``, or the file
+    ``$ENVIRONMENT_API_KEY_FILE`` names) is required in ``X-API-Key`` on every
+    route when set; ``api_key=""`` opens the app to anyone who can reach it, and
+    an empty key file is refused (it would do the same unasked). A rollout
+    function that raises answers 500 with the error: the trainer counts that
+    episode as failed."""
     import openai
     from fastapi import FastAPI, Header, HTTPException
 
-    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+    key = api_key if api_key is not None else environment_key()
+    if api_key is None and key is not None and not key.strip():
+        raise ValueError(
+            f"the task app's key file (${API_KEY_ENV}_FILE) is empty: write the key in it, "
+            'or pass api_key="" for an app open to anyone who can reach it'
+        )
     app = FastAPI(title=f"{name} task app", description=description)
     info = TaskInfo(
         task={"name": name, "description": description},

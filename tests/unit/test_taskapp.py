@@ -174,3 +174,18 @@ def test_responses_of_other_task_apps_parse():
     only_returns = RolloutResponse.model_validate({"run_id": "x", "metrics": {"mean_return": 0.5}})
     assert only_returns.metrics.reward() == 0.5
     assert RolloutResponse.model_validate({"run_id": "x", "metrics": {}}).metrics.reward() is None
+
+
+def test_a_key_given_in_a_file_is_required_and_an_empty_file_refused(tmp_path, monkeypatch):
+    """The key may come in a file (``$ENVIRONMENT_API_KEY_FILE``, as SECURITY.md
+    advises): the app must then require it, as the trainer sends it; an empty
+    file would leave the app open, so it is an error, not a silent default."""
+    (tmp_path / "key").write_text("file-key\n")
+    monkeypatch.delenv("ENVIRONMENT_API_KEY", raising=False)
+    monkeypatch.setenv("ENVIRONMENT_API_KEY_FILE", str(tmp_path / "key"))
+    with serve_asgi(create_task_app("add", add)) as url:
+        assert httpx.get(f"{url}/health").status_code == 401
+        assert httpx.get(f"{url}/health", headers={"X-API-Key": "file-key"}).status_code == 200
+    (tmp_path / "key").write_text("\n")
+    with pytest.raises(ValueError, match="key file .* is empty"):
+        create_task_app("add", add)
