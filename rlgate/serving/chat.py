@@ -23,7 +23,7 @@ def _normalise_arguments(arguments: Any) -> Any:
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # not JSON, or nested past what the parser takes
             return arguments
     return arguments
 

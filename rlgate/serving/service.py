@@ -222,12 +222,12 @@ class GatewayService:
         if problems:
             raise HTTPError(400, "; ".join(message for _, message in problems), param=problems[0][0])
         self._check_model(request.model)
-        gateway = self.settings.gateway
-        if request.n > gateway.max_n:
-            raise HTTPError(400, f"n={request.n} exceeds this gateway's limit of {gateway.max_n}", param="n")
 
     def _sampling(self, request: api._Sampling, max_tokens: int | None, top_logprobs: int) -> SamplingParams:
-        limit = self.settings.gateway.max_completion_tokens
+        gateway = self.settings.gateway
+        if request.n > gateway.max_n:  # before SamplingParams, whose own bound would be a 500
+            raise HTTPError(400, f"n={request.n} exceeds this gateway's limit of {gateway.max_n}", param="n")
+        limit = gateway.max_completion_tokens
         if max_tokens is not None and max_tokens > limit:
             raise HTTPError(400, f"max_tokens={max_tokens} exceeds this gateway's limit of {limit}", param="max_tokens")
         return SamplingParams(

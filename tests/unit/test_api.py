@@ -146,3 +146,16 @@ def test_turn_rewards_are_finite_and_exclusive_with_an_interaction_id():
         SetRewardRequest(reward=1, turn_rewards=[0.1, float("nan")])
     with pytest.raises(ValidationError, match="not both"):
         SetRewardRequest(reward=1, turn_rewards=[0.1], interaction_id="chatcmpl-1")
+
+
+def test_tool_call_arguments_nested_past_what_json_parses_are_kept_as_text():
+    """Arguments that are not a JSON object reach the template as the text they
+    are; nesting too deep for Python's parser (a RecursionError, not a
+    ValueError) is such text, not a 500."""
+    from rlgate.serving.chat import exchange_keys
+
+    deep = "[" * 1000 + "]" * 1000
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}
+    message = ChatMessage(role="assistant", content=None, tool_calls=[call]).for_template()
+    assert message["tool_calls"][0]["function"]["arguments"] == deep
+    assert len(exchange_keys([USER[0], message], None)) == 2

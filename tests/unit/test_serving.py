@@ -123,8 +123,11 @@ async def test_too_many_messages_or_choices_are_refused_naming_the_limit(served)
     many = [{"role": "user", "content": "x"}] * 1025
     with pytest.raises(openai.BadRequestError, match="1025 messages exceed the limit of 1024"):
         await chat.create(model="tiny-random", messages=many, max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="n=17 exceeds this gateway's limit of 16"):
-        await chat.create(model="tiny-random", messages=many[:1], max_tokens=2, n=17)
+    for n in (17, 129):  # 129: past what sampling itself takes, too
+        with pytest.raises(openai.BadRequestError, match=f"n={n} exceeds this gateway's limit of 16"):
+            await chat.create(model="tiny-random", messages=many[:1], max_tokens=2, n=n)
+    with pytest.raises(openai.UnprocessableEntityError, match="seed"):  # past 64 bits: no engine takes it
+        await chat.create(model="tiny-random", messages=many[:1], max_tokens=2, seed=2**64)
     assert manager.stats()["open_interactions"] == 0  # refused before anything was generated
 
 
