@@ -165,7 +165,7 @@ class _Sampling(_Request):
     top_k: int = Field(0, ge=0, description="vLLM extension: keep the k most likely tokens; 0 disables.")
     ignore_eos: bool = Field(False, description="vLLM extension: generate max_tokens, past end-of-sequence.")
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63, description="A 64-bit signed integer, as vLLM's server takes.")
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63, description="A 64-bit signed integer, as vLLM's takes.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="Accepted for compatibility; not used.")
