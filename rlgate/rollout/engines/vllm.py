@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 from rlgate.rollout.engines import reaper
 from rlgate.rollout.engines.base import (
     Engine,
+    EngineInputError,
     SamplingParams,
     TokenChunk,
     WeightUpdateReport,
@@ -286,7 +287,7 @@ class VLLMEngine(Engine):
         try:
             while (item := await queue.get()) is not None:
                 if isinstance(item, BaseException):
-                    raise item
+                    raise_refused(item)
                 yield item
         finally:
             self._running.discard(request_id)
@@ -520,6 +521,17 @@ class VLLMEngine(Engine):
 
     async def weight_checksum(self) -> float:
         return (await self.llm.collective_rpc("rlgate_weight_checksum"))[0]
+
+
+def raise_refused(err: BaseException) -> None:
+    """Raise ``err``; a request vLLM refuses as the client's fault (a JSON schema
+    its grammar backend cannot compile, say) as :class:`EngineInputError` (a 400,
+    not an engine failure a client would retry)."""
+    from vllm.exceptions import VLLMClientError
+
+    if isinstance(err, VLLMClientError):
+        raise EngineInputError(f"the engine refused the request: {err}") from err
+    raise err
 
 
 class UnknownTenant(RuntimeError):
