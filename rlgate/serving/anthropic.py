@@ -36,7 +36,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rlgate.serving import api
-from rlgate.serving.errors import HTTPError, anthropic_error_body, invalid_translation
+from rlgate.serving.errors import HTTPError, anthropic_error_body, broken_stream, invalid_translation
 from rlgate.sessions.manager import SessionError
 
 if TYPE_CHECKING:
@@ -280,7 +280,9 @@ async def stream(turn, params, chunks: AsyncIterator) -> AsyncIterator[str]:
                 index += 1
             if choice.finish_reason:
                 ending = _stop(choice.finish_reason, getattr(choice, "stop_reason", None))
-    except (HTTPError, SessionError) as err:
+    except Exception as err:  # a parser's or the engine's own error too: the stream ends with one
+        if not isinstance(err, HTTPError | SessionError):
+            err = broken_stream(err)
         yield _event("error", error=anthropic_error_body(err.status, err.message)["error"])
     finally:  # also when the client goes away mid-stream
         turn.settle()

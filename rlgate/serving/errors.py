@@ -10,6 +10,7 @@ the official SDKs raise the right exception carrying our message.
 from __future__ import annotations
 
 import json
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,6 +18,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rlgate.sessions.manager import SessionError
+
+logger = logging.getLogger(__name__)
 
 
 class HTTPError(Exception):
@@ -108,6 +111,14 @@ def error_response(
     else:
         body = error_body(status, message, param)
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def broken_stream(err: Exception) -> HTTPError:
+    """An unexpected error after a stream has begun, as the error its last event
+    carries (logged with its traceback): the client learns the answer is cut
+    short, rather than reading an ended stream as a whole answer."""
+    logger.error("a streamed answer failed part way", exc_info=err)
+    return HTTPError(500, f"the answer failed part way ({err.__class__.__name__}); retry")
 
 
 def sse_error(err: HTTPError | SessionError) -> str:

@@ -36,7 +36,7 @@ from openai.types.chat import ChatCompletion
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlgate.serving import api
-from rlgate.serving.errors import HTTPError, error_body, invalid_translation
+from rlgate.serving.errors import HTTPError, broken_stream, error_body, invalid_translation
 from rlgate.sessions.manager import SessionError
 
 ID_PREFIX = "resp_"
@@ -350,7 +350,9 @@ class ResponsesCall:
                     output.append(item)
                 if choice.finish_reason:
                     finish = choice.finish_reason
-        except (HTTPError, SessionError) as err:
+        except Exception as err:  # a parser's or the engine's own error too: the stream ends with one
+            if not isinstance(err, HTTPError | SessionError):
+                err = broken_stream(err)
             body = error_body(err.status, err.message)["error"]
             yield event("error", code=body["code"], message=body["message"], param=body["param"])
         finally:  # also when the client goes away mid-stream

@@ -24,7 +24,7 @@ from openai.types.chat.chat_completion_message_tool_call import ChatCompletionMe
 from rlgate.rollout.engines import SamplingParams
 from rlgate.rollout.engines.base import Completion
 from rlgate.serving.chat import extend_key
-from rlgate.serving.errors import HTTPError, sse_error
+from rlgate.serving.errors import HTTPError, broken_stream, sse_error
 from rlgate.serving.openai_format import TextStream, chat_logprobs, visible_text
 from rlgate.sessions.manager import SessionError
 from rlgate.sessions.trajectory import Interaction
@@ -200,6 +200,8 @@ class Turn:
             yield "data: [DONE]\n\n"
         except (HTTPError, SessionError) as err:
             yield sse_error(err)
+        except Exception as err:  # a parser's or the engine's own error: the stream still ends with one
+            yield sse_error(broken_stream(err))
         finally:  # also when the client goes away mid-stream
             self.settle()
 

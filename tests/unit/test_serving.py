@@ -228,3 +228,41 @@ async def test_a_session_that_opens_after_its_caller_hung_up_is_ended_with_nothi
     assert starting.cancelled()
     assert (manager.counters["started"], manager.counters["ended"], manager.sessions) == (1, 1, {})
     assert slots.running == 0 and saved == []
+
+
+async def test_a_stream_that_fails_part_way_ends_with_an_error_event_on_every_protocol(tiny_tokenizer, tmp_path):
+    """An error inside the engine or a parser after the first chunks (past the
+    status line) must end the stream with an error event, in each protocol's
+    shape, not just stop: a client would read a cut-off answer as a whole one.
+    Nothing of the failed turn is recorded, and the session is not left busy."""
+    import json
+
+    import httpx
+
+    from rlgate.rollout.engines.base import TokenChunk
+    from tests.support import serving_app
+
+    class Failing:  # two tokens, then an error of the engine's own
+        async def generate(self, prompt_ids, params, whole=False):
+            for token in (5, 6):
+                yield TokenChunk(index=0, token_ids=[token], logprobs=[-0.5], versions=[0])
+            raise RuntimeError("the engine core died")
+
+    app, manager, saved = serving_app(Failing(), tiny_tokenizer, tmp_path)
+    user = [{"role": "user", "content": "Hi"}]
+    routes = {
+        "/v1/chat/completions": {"model": "tiny-random", "messages": user, "max_tokens": 4, "stream": True},
+        "/v1/messages": {"model": "tiny-random", "messages": user, "max_tokens": 4, "stream": True},
+        "/v1/responses": {"model": "tiny-random", "input": "Hi", "max_output_tokens": 4, "stream": True},
+    }
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as http:
+        key = await start(http)
+        for route, body in routes.items():
+            answer = await http.post(route, json=body, headers={"Authorization": f"Bearer {key}"})
+            assert answer.status_code == 200, answer.text
+            events = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")]
+            last = events[-1]
+            error = last.get("error") or last  # chat: {"error": {...}}; messages: {"type": "error", "error": ...}
+            assert "failed part way" in json.dumps(error), (route, answer.text[-500:])
+    [session] = manager.sessions.values()
+    assert session.requests == [] and len(session.trajectory) == 0 and saved == []
