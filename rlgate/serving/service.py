@@ -354,7 +354,7 @@ class GatewayService:
                 return TurnStream(turn, events, chunks)
             return await turn.complete(params)
         finally:
-            if not streaming and (turn is None or not turn.recorded):
+            if not streaming and (turn is None or not turn.settled):
                 self.sessions.abandon(session_id)
 
     async def completions(self, request: api.CompletionRequest, authorization: str | None) -> Completion:

@@ -90,13 +90,13 @@ class Turn:
         self.id = id_prefix + secrets.token_hex(12)
         self.created = int(time.time())
         self.recorded = False
-        self.settled = False  # recorded, or given back to the session (``settle``)
+        self.settled = False  # handed to the session's record (taken or refused), or given back (``settle``)
 
     def settle(self) -> None:
         """The request is over: unless it was recorded, it no longer counts as in
         flight in its session. Idempotent: a stream settles from its own end and
         from its response's."""
-        if not self.recorded and not self.settled:
+        if not self.settled:
             self.g.sessions.abandon(self.session_id)
         self.settled = True
 
@@ -165,6 +165,7 @@ class Turn:
             choice = Choice(index=c.index, message=message, finish_reason=finish, logprobs=logprobs)
             choice.stop_reason = c.stop_reason
             choices.append(choice)
+        self.settled = True  # a record ends the request's flight in the session, whether it is taken or refused
         await self.g.sessions.record(self.session_id, interactions)
         self.recorded = True
         generated = sum(len(c.token_ids) for c in completions)
@@ -282,6 +283,7 @@ class Turn:
                 stop = completion.stop_reason
                 ending = ChunkChoice(index=i, delta=ChoiceDelta(), finish_reason=finish, stop_reason=stop)
                 yield self._chunk([ending])
+            self.settled = True  # as in complete(): the record settles the request either way
             await self.g.sessions.record(self.session_id, interactions)
             self.recorded = True
             options = self.request.stream_options

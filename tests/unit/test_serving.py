@@ -266,3 +266,20 @@ async def test_a_stream_that_fails_part_way_ends_with_an_error_event_on_every_pr
             assert "failed part way" in json.dumps(error), (route, answer.text[-500:])
     [session] = manager.sessions.values()
     assert session.requests == [] and len(session.trajectory) == 0 and saved == []
+
+
+async def test_a_turn_the_session_refuses_to_record_leaves_its_other_requests_in_flight(served):
+    """A record the session refuses (here: past max_session_interactions) ends
+    that request's flight in the session; the gateway must not end it a second
+    time, which would take another request of the session out of flight (the
+    idle sweep could then end the session under it)."""
+    http, manager, _ = served
+    key = await start(http)
+    manager.max_interactions = 1
+    [session] = manager.sessions.values()
+    manager.begin(session.key_hash, [])  # another request of the session, still generating
+    with pytest.raises(openai.ConflictError, match="past \\[gateway\\] max_session_interactions"):
+        await client(http, key).chat.completions.create(
+            model="tiny-random", messages=[{"role": "user", "content": "x"}], max_tokens=2, n=2
+        )
+    assert len(session.requests) == 1 and len(session.trajectory) == 0
