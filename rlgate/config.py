@@ -619,6 +619,18 @@ def load_config(path: str | Path) -> RLGateConfig:
     return parse_config(data, source=str(path))
 
 
+def null_paths(tree: object, at: str = "") -> list[str]:
+    """Where ``tree`` (a config as plain data) holds a null, which TOML, the form a
+    config is written in, cannot: the keys, dotted, and list items as ``[i]``."""
+    if tree is None:
+        return [at]
+    if isinstance(tree, dict):
+        return [path for key, value in tree.items() for path in null_paths(value, f"{at}.{key}" if at else str(key))]
+    if isinstance(tree, list):
+        return [path for i, value in enumerate(tree) for path in null_paths(value, f"{at}[{i}]")]
+    return []
+
+
 def dump_config(config: RLGateConfig, path: str | Path) -> Path:
     """Write ``config`` as TOML that :func:`load_config` reads back to the same tree."""
     import tomli_w
@@ -643,8 +655,9 @@ def parse_config_noting(data: dict, source: str = "config") -> tuple[RLGateConfi
             mapped = map_synth(data, source)
         except ConfigError:
             raise
-        except (TypeError, ValueError, AttributeError) as err:  # e.g. a number where a table was due
-            raise ConfigError(f"{source}: a synth-ai key has a value of the wrong type: {err}") from None
+        except (TypeError, ValueError, AttributeError, ArithmeticError, LookupError) as err:  # e.g. a number
+            # where a table was due, infinity where a count was
+            raise ConfigError(f"{source}: a synth-ai key has a value it cannot take: {err}") from None
         data, ignored = mapped.config, mapped.ignored
     try:
         return RLGateConfig.model_validate(data), ignored

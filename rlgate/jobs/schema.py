@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlgate.config import ConfigError, RLGateConfig, parse_config_noting
+from rlgate.config import ConfigError, RLGateConfig, null_paths, parse_config_noting
 from rlgate.jobs.synth import from_synth, is_synth_shape
 
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
@@ -119,11 +119,15 @@ def job_plan(request: JobRequest) -> tuple[RLGateConfig, list[str]]:
     """The request's validated config and the synth-ai keys it carries that change
     nothing here ("section.key: why"); ConfigError names every field that is wrong."""
     try:
-        return _job_config(request)
+        config, ignored = _job_config(request)
     except ConfigError:
         raise
-    except (TypeError, ValueError, AttributeError) as err:  # a value of the wrong type where a table was due
-        raise ConfigError(f"config: a value has the wrong type: {err}") from None
+    except (TypeError, ValueError, AttributeError, ArithmeticError, LookupError) as err:  # a value of the wrong
+        # type where a table was due, a number past what it counts
+        raise ConfigError(f"config: a value it cannot take: {err}") from None
+    if nulls := null_paths(config.model_dump(mode="json", exclude_none=True)):  # the job's config is TOML on disk
+        raise ConfigError(f"config: {', '.join(nulls[:5])}: null, which a config cannot hold; leave the key out")
+    return config, ignored
 
 
 def _job_config(request: JobRequest) -> tuple[RLGateConfig, list[str]]:

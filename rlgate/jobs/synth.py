@@ -80,6 +80,8 @@ IGNORED = {
     "compute.nodes": "Ray places the run on the cluster's nodes",
 }
 
+MAX_EVAL_INSTANCES = 100_000  # evaluation episodes one evaluation may ask for
+
 
 def is_synth_shape(data: dict) -> bool:
     if data.get("type") == "rl" or any(section in data for section in ("topology", "policy", "data")):
@@ -349,6 +351,10 @@ def _map_reference(m: _Mapper) -> None:
 def _map_evaluation(m: _Mapper) -> None:
     seeds = m.get("evaluation", "seeds")
     instances = m.get("evaluation", "instances")
+    if seeds is not None and not isinstance(seeds, list):
+        m.refuse("evaluation.seeds", f"a list of seeds, not {seeds!r:.60}")
+    if instances is not None and not (isinstance(instances, int) and 0 <= instances <= MAX_EVAL_INSTANCES):
+        m.refuse("evaluation.instances", f"a whole number from 0 to {MAX_EVAL_INSTANCES}, not {instances!r:.60}")
     if seeds and instances is not None:
         seeds = [seeds[i % len(seeds)] for i in range(instances)]  # instances episodes, the seeds in turn
     m.put("evaluation", "seeds", seeds)
@@ -373,6 +379,8 @@ def _map_compute(m: _Mapper) -> None:
             f"gpus_for_vllm + gpus_for_training ({for_vllm + for_training}) exceed compute.gpu_count ({gpus})",
         )
     shards = int(m.out.get("rollout", {}).get("tensor_parallel_size", 1))
+    if shards < 1:
+        m.refuse("topology.tensor_parallel", f"at least 1 GPU per replica, not {shards}")
     if for_vllm >= 1 and (for_vllm < shards or for_vllm % shards):
         m.refuse("topology", f"gpus_for_vllm ({for_vllm}) must be a multiple of tensor_parallel ({shards})")
     m.put("rollout", "num_gpus", shards if for_vllm >= 1 else for_vllm)  # a replica holds its shards

@@ -115,3 +115,15 @@ def test_progress_and_events_from_metrics():
 def test_a_task_app_url_must_be_http_or_https(body):
     with pytest.raises(ConfigError, match=r"services.task_url: a task app URL must be http or https, not 'file'"):
         jobs.job_config(jobs.JobRequest.model_validate(body))
+
+
+def test_a_null_in_a_job_config_is_refused_by_name_not_a_500():
+    """A job's config is written as TOML for its driver, and TOML has no null: a
+    null inside a free-form table (a task's env_config) passed validation and then
+    failed the write, a 500 that left an empty job folder behind."""
+    synth = {**SYNTH, "rollout": {**SYNTH["rollout"], "env_config": {"x": None, "ok": [1, None]}}}
+    request = jobs.JobRequest.model_validate(
+        {"data": {"endpoint_base_url": "http://127.0.0.1:8201", "config": synth, "model": "tiny-random"}}
+    )
+    with pytest.raises(ConfigError, match=r"task.env_config.x, task.env_config.ok\[1\]: null"):
+        jobs.job_config(request)

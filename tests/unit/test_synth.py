@@ -157,6 +157,14 @@ def test_gpus_are_split_between_rollouts_and_training(compute, rollout_gpus, rep
             },
             r"topology: gpus_for_vllm \(3\) must be a multiple of tensor_parallel \(2\)",
         ),
+        (  # was a ZeroDivisionError: a 500
+            {"topology__gpus_for_vllm": 1, "topology__gpus_for_training": 1, "topology__tensor_parallel": 0}
+            | {"compute__gpu_type": "H100", "compute__gpu_count": 2},
+            r"topology.tensor_parallel: at least 1 GPU per replica, not 0",
+        ),
+        ({"compute__gpu_type": "H100", "compute__gpu_count": float("inf")}, r"a value it cannot take"),  # JSON 1e400
+        ({"evaluation__seeds": {"a": 1}, "evaluation__instances": 2}, r"evaluation.seeds: a list of seeds"),
+        ({"evaluation__seeds": [1], "evaluation__instances": 10**9}, r"evaluation.instances: a whole number"),
     ],
 )
 def test_what_cannot_be_honoured_is_refused_by_name(change, message):
