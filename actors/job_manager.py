@@ -62,6 +62,7 @@ class JobManager:
         self._client = client
         self._watcher: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._submitting: dict[str, asyncio.Future] = {}  # idempotency key -> its first call, while it runs
         for tracked in list(self.book.tracked.values()):  # a restart lost the keys of jobs that have not started
             job = tracked.job
             if tracked.key_lost and job.status == "queued" and not self.book.submitted(job.job_id):
@@ -94,6 +95,18 @@ class JobManager:
     # ``key``: None when the caller holds the admin key, else the job key it sent.
 
     async def submit(self, body: dict, idempotency_key: str | None) -> dict:
+        """A new job, or the one ``idempotency_key`` already made; a retry that comes
+        while the first call is still being checked (its task app's name resolved,
+        say) waits for that call's answer rather than make a second job."""
+        if not idempotency_key:
+            return await self._submit(body, None)
+        first = self._submitting.get(idempotency_key)
+        if first is None:
+            first = self._submitting[idempotency_key] = asyncio.ensure_future(self._submit(body, idempotency_key))
+            first.add_done_callback(lambda _: self._submitting.pop(idempotency_key, None))
+        return await asyncio.shield(first)
+
+    async def _submit(self, body: dict, idempotency_key: str | None) -> dict:
         self._ensure_watcher()
         if idempotency_key and idempotency_key in self.book.idempotency:
             job = self.book.tracked[self.book.idempotency[idempotency_key]].job

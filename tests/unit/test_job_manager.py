@@ -278,3 +278,25 @@ async def test_a_jobs_tags_are_its_configs_and_its_requests(tmp_path, ray_jobs):
     request = body(tags={"experiment": "math"}) | {"tags": {"source": "train-cli"}}  # synth-ai's SDK sends both
     job_id = (await jobs_manager.submit(request, None))["job_id"]
     assert (await jobs_manager.get(job_id, None))["tags"] == {"experiment": "math", "source": "train-cli"}
+
+
+async def test_a_retry_with_the_same_idempotency_key_during_the_first_call_makes_no_second_job(
+    tmp_path, ray_jobs, monkeypatch
+):
+    """A client that times out while its submission's task app is being checked
+    (a slow name lookup) and retries with the same Idempotency-Key gets the same
+    job, not a second job with a second driver."""
+    import asyncio
+    import time
+
+    checked = rlgate.actors.job_manager.check_url
+
+    def slow_check(url, allowlist):
+        time.sleep(0.2)  # the name lookup, in a thread: other calls run meanwhile
+        return checked(url, allowlist)
+
+    monkeypatch.setattr(rlgate.actors.job_manager, "check_url", slow_check)
+    jobs_manager = manager(tmp_path, ray_jobs)
+    first, retry = await asyncio.gather(jobs_manager.submit(body(), "key-1"), jobs_manager.submit(body(), "key-1"))
+    assert first["job_id"] == retry["job_id"] and len(jobs_manager.book.tracked) == 1
+    assert (await jobs_manager.submit(body(), "key-1"))["job_id"] == first["job_id"]  # and afterwards
