@@ -104,6 +104,8 @@ def main() -> int:
     wait_until_placeable(config, gpus, run_dir)
     if not args.resume:
         forget_earlier_run(config.gateway.run_name, run_dir)
+    else:
+        forget_stopped_run(config.gateway.run_name)
     serving = start_serve(config, start.version)
     # Ray Train's workers start while the engines do: nothing joins them before the first step
     trainer = start_trainer(config, gpus, run_dir, start)
@@ -589,6 +591,15 @@ def forget_earlier_run(run: str, run_dir: Path) -> None:
         aside = journal.with_name(f"journal-{time.strftime('%Y%m%d-%H%M%S')}.set-aside.jsonl")
         journal.rename(aside)
         print(f"rlgate: an earlier run's open sessions are not taken over; their journal is at {aside}", flush=True)
+
+
+def forget_stopped_run(run: str) -> None:
+    """A resumed run starts from its checkpoint, so on a cluster that kept running it
+    must not find the stopped run's PolicyStore and CapacityActor at the later
+    versions it reached (stopped between checkpoints; a version cannot go back),
+    nor its SessionStore holding sessions whose agents are gone: they end, and the
+    resumed run's own take their names (the journal stays: its sessions are saved)."""
+    end_actors(run, INHERITED_STATE)
 
 
 def note_waiting(run_dir: Path, reason: str | None) -> None:

@@ -675,3 +675,31 @@ async def test_a_slot_granted_after_its_caller_hung_up_is_given_back():
             break
         await asyncio.sleep(0.005)
     assert waiting.cancelled() and state == {"held": 0, "released": [False]}
+
+
+def test_a_resume_on_a_cluster_that_kept_running_starts_at_its_checkpoints_version(tmp_path, ray_session):
+    """A run stopped between checkpoints (at version 15, its checkpoint at 10) on a
+    cluster that kept running leaves its CapacityActor and PolicyStore at 15; a
+    version cannot go back, so the resumed run failed to start. It ends them, and
+    the actors its application makes again start at the checkpoint's version."""
+    from rlgate.actors.capacity import get_or_create_capacity
+    from rlgate.config import parse_config
+    from rlgate.run import NAMESPACE as RUNS, ROLES, actor_name, end_actors
+    from rlgate.serving.app import policy_store
+    from rlgate.training.driver import admit_under_the_rule, forget_stopped_run
+
+    run = f"resumed-{uuid.uuid4().hex[:8]}"
+    config = parse_config({"model": {"name": "tiny-random"}, "gateway": {"run_name": run, "run_dir": str(tmp_path)}})
+
+    def made_by_the_application(version: int):
+        return get_or_create_capacity(actor_name(run, "capacity"), RUNS, 8), policy_store(config, version)
+
+    capacity, store = made_by_the_application(0)
+    ray_session.get(capacity.on_new_version.remote(15))
+    ray_session.get(store.publish.remote(15, [ray_session.put({"weights": 15})]))
+    forget_stopped_run(run)  # what `rlgate train --resume` does first
+    capacity, store = made_by_the_application(10)
+    admit_under_the_rule(config, 10)  # raised: policy version cannot go backwards: 15 -> 10
+    assert ray_session.get(capacity.stats.remote())["version"] == 10
+    assert ray_session.get(store.status.remote())["version"] == 10
+    end_actors(run, ROLES)
