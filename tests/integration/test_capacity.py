@@ -684,7 +684,8 @@ def test_a_resume_on_a_cluster_that_kept_running_starts_at_its_checkpoints_versi
     the actors its application makes again start at the checkpoint's version."""
     from rlgate.actors.capacity import get_or_create_capacity
     from rlgate.config import parse_config
-    from rlgate.run import NAMESPACE as RUNS, ROLES, actor_name, end_actors
+    from rlgate.run import NAMESPACE as RUNS
+    from rlgate.run import ROLES, actor_name, end_actors
     from rlgate.serving.app import policy_store
     from rlgate.training.driver import admit_under_the_rule, forget_stopped_run
 
