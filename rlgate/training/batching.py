@@ -22,7 +22,14 @@ sessions' worth of whole groups.
   dropped (``take(version, max_staleness)``): every sampled token is older
   than ``version - max_staleness``, or some token was sampled by a version
   newer than the trainer's own (a policy a crash discarded before its
-  checkpoint; its logprobs describe weights that no longer exist).
+  checkpoint; its logprobs describe weights that no longer exist). After a
+  resume that is also a group holding a session saved before it
+  (``seq <= backlog_end``) with a token newer than the version resumed at:
+  the stopped run sampled it from weights the resume abandoned, whatever
+  version the resumed run has reached by the time the group completes.
+* ``Counters.discardable`` counts the dropped members saved after
+  ``backlog_end``: those the run's CapacityActor admitted and counted, which
+  it is told of (its ``discard``); an earlier run's are not its to forget.
 
 Every record is handed out or dropped exactly once. :meth:`GroupBuffer.state`
 is small and restores exactly: records read but not yet in a batch are simply
@@ -92,6 +99,7 @@ class Counters:
     dropped_partial: int = 0
     dropped_stale: int = 0
     dropped_failed: int = 0  # members of groups that are nothing but failed sessions
+    discardable: int = 0  # dropped members saved after the backlog: admitted by this run's CapacityActor
 
     @property
     def dropped(self) -> int:
@@ -132,6 +140,8 @@ class GroupBuffer:
         self.done_above: set[int] = set()  # consumed or dropped seqs above the watermark
         self.last_read = 0
         self.counters = Counters()
+        # what was saved before this run (re)started, and the version it started at (see the module notes)
+        self.backlog_end, self.resumed_version = 0, 0
 
     # --- input ----------------------------------------------------------------
 
@@ -162,11 +172,9 @@ class GroupBuffer:
 
     def _complete(self, group: Group) -> None:
         if not group.sessions:  # nothing but failures: hand its slots back
-            self.counters.dropped_failed += group.members
-            self._done(group)
+            self._drop(group, "dropped_failed")
         elif self.drop_equal_reward_groups and group.rewards_equal():
-            self.counters.dropped_equal_reward += group.members
-            self._done(group)
+            self._drop(group, "dropped_equal_reward")
         else:
             self.ready.append(group)
 
@@ -177,11 +185,9 @@ class GroupBuffer:
             if now - group.opened_at >= self.group_timeout_s:
                 del self.open[task]
                 if not group.sessions:
-                    self.counters.dropped_failed += group.members
-                    self._done(group)
+                    self._drop(group, "dropped_failed")
                 elif self.partial_groups == "drop":
-                    self.counters.dropped_partial += group.members
-                    self._done(group)
+                    self._drop(group, "dropped_partial")
                 else:
                     self.expired.append(group)
 
@@ -231,15 +237,28 @@ class GroupBuffer:
         """Drop waiting groups with no token trainable at ``version`` (see the module notes)."""
         oldest = version - max_staleness
 
+        def sampled(records: list[dict]) -> list[int]:
+            return [v for r in records for m, v in zip(r["loss_mask"], r["versions"]) if m]
+
         def usable(group: Group) -> bool:
-            sampled = [v for r in group.records for m, v in zip(r["loss_mask"], r["versions"]) if m]
-            return all(v <= version for v in sampled) and any(v >= oldest for v in sampled)
+            versions = sampled(group.records)
+            abandoned = sampled([r for r in group.records if r["seq"] <= self.backlog_end])
+            return (
+                all(v <= version for v in versions)
+                and any(v >= oldest for v in versions)
+                and all(v <= self.resumed_version for v in abandoned)
+            )
 
         for pool in (self.ready, self.expired):
             for group in [g for g in pool if not usable(g)]:
                 pool.remove(group)
-                self.counters.dropped_stale += group.members
-                self._done(group)
+                self._drop(group, "dropped_stale")
+
+    def _drop(self, group: Group, reason: str) -> None:
+        setattr(self.counters, reason, getattr(self.counters, reason) + group.members)
+        firsts = [records[0] for records in [*group.sessions.values(), *group.failed.values()]]
+        self.counters.discardable += sum(record["seq"] > self.backlog_end for record in firsts)
+        self._done(group)
 
     def pending_sessions(self) -> int:
         return sum(g.members for g in [*self.open.values(), *self.ready, *self.expired])
@@ -251,9 +270,12 @@ class GroupBuffer:
         return {"watermark": self.watermark, "done_above": sorted(self.done_above)}
 
     @classmethod
-    def restore(cls, state: dict, **settings) -> GroupBuffer:
+    def restore(cls, state: dict, backlog_end: int = 0, resumed_version: int = 0, **settings) -> GroupBuffer:
+        """The buffer of ``state``; ``backlog_end``: the last seq saved when the run
+        (re)started, at policy version ``resumed_version`` (see the module notes)."""
         buffer = cls(**settings)
         buffer.watermark = state["watermark"]
         buffer.done_above = set(state["done_above"])
         buffer.last_read = state["watermark"]
+        buffer.backlog_end, buffer.resumed_version = backlog_end, resumed_version
         return buffer

@@ -93,8 +93,9 @@ def main() -> int:
         config.model.name = str(start.weights)
     if start.adapter is not None:  # or on the base model with the checkpoint's adapter
         config.model.adapter = str(start.adapter)
+    backlog_end = last_seq(run_dir / "trajectories")  # saved before this (re)start
     if start.buffer is None:  # a fresh run trains on episodes that finish from now on, the first included
-        start.buffer = {"watermark": last_seq(run_dir / "trajectories"), "done_above": []}
+        start.buffer = {"watermark": backlog_end, "done_above": []}
     tracking = start_tracking(config, run_dir, start.step, args.resume)  # [logging]: fails the run here if it must
     ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE)
     # before anything starts: a bad task app fails the run at once
@@ -120,6 +121,7 @@ def main() -> int:
         train(
             config,
             start.buffer,
+            backlog_end,
             progress,
             trainer,
             stopping,
@@ -232,15 +234,27 @@ class Progress:
     version: int  # the policy version the engines serve
 
 
-def train(config: RLGateConfig, buffer_state: dict, progress: Progress, trainer, stopping, log: RunLog, evaluate_at):
+def train(
+    config: RLGateConfig,
+    buffer_state: dict,
+    backlog_end: int,
+    progress: Progress,
+    trainer,
+    stopping,
+    log: RunLog,
+    evaluate_at,
+):
     """The loop: whole groups of finished episodes → advantages → an optimizer
     step → every engine serves the new version → the CapacityActor admits the
-    next sessions → a line in the log (and ``evaluate_at(step)``'s figures)."""
+    next sessions → a line in the log (and ``evaluate_at(step)``'s figures).
+    ``backlog_end``: the last trajectory saved before the run (re)started."""
     training, algorithm = config.training, config.algorithm.resolved(config.training.max_staleness)
     run = config.gateway.run_name
     trajectories, capacity, policy = (get_actor(run, role) for role in ("trajectories", "capacity", "policy"))
     buffer = GroupBuffer.restore(
         buffer_state,
+        backlog_end=backlog_end,
+        resumed_version=progress.version,
         batch_size=training.batch_size,
         group_size=training.group_size,
         group_timeout_s=training.group_timeout_s,

@@ -53,12 +53,12 @@ def collect(
     dropped_before, warned = buffer.counters.dropped, False
     while not stop.is_set():
         records = surviving(lambda: trajectories.read.remote(buffer.last_read, 1000), "reading trajectories")
-        dropped = buffer.counters.dropped
+        discardable = buffer.counters.discardable
         buffer.add(records)
         batch = buffer.take(version, max_staleness)
-        if buffer.counters.dropped > dropped:
+        if buffer.counters.discardable > discardable:  # an earlier run's sessions are not this actor's count
             try:  # not made twice: a discard counted twice would admit more than the bound
-                ray.get(capacity.discard.remote(buffer.counters.dropped - dropped))
+                ray.get(capacity.discard.remote(buffer.counters.discardable - discardable))
             except ray.exceptions.RayActorError:
                 logger.warning("the CapacityActor restarted during a discard; those sessions stay counted")
         if not warned and buffer.counters.dropped - dropped_before >= 10 * buffer.batch_size:

@@ -190,3 +190,23 @@ def test_a_group_of_failures_hands_its_slots_back():
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="at least 1"):
         GroupBuffer(batch_size=0, group_size=2)
+
+
+def test_a_group_begun_before_a_resume_with_the_stopped_runs_later_policy_is_never_trained():
+    """Stopped at version 7, resumed from its checkpoint at 5: a session the
+    stopped run saved at version 7 was sampled from weights the resume
+    abandoned. Its group, completed after the resume, is dropped whatever
+    version the resumed run has reached by then (7 again: not the same 7)."""
+
+    def sampled_by(seq, task, version):
+        record = {"seq": seq, "task_id": task, "session_id": f"s{seq}", "reward": float(seq % 2)}
+        return record | {"loss_mask": [0, 1, 1], "versions": [-1, version, version]}
+
+    state = {"watermark": 0, "done_above": []}
+    buffer = GroupBuffer.restore(state, backlog_end=2, resumed_version=5, batch_size=2, group_size=2)
+    buffer.add([sampled_by(1, "kept", 5), sampled_by(2, "abandoned", 7)])  # the backlog
+    assert buffer.take(version=5, max_staleness=2) is None  # both groups still open
+    buffer.add([sampled_by(3, "kept", 6), sampled_by(4, "abandoned", 7)])  # saved after the resume
+    batch = buffer.take(version=7, max_staleness=2)
+    assert [g.task_id for g in batch.groups] == ["kept"]
+    assert buffer.counters.dropped_stale == 2 and buffer.counters.discardable == 1  # s4 only: saved since

@@ -130,3 +130,25 @@ def test_collect_drops_groups_the_version_may_not_train_and_stops_when_told(monk
     monkeypatch.setattr(stop, "wait", lambda s: stop.set())  # the first idle wait ends the loop
     assert loop.collect(buffer, store, capacity, stop, version=3, max_staleness=1, poll_s=0) is None
     assert capacity.given == [2] and buffer.counters.dropped_stale == 2  # version 1 < 3 - 1: too old to train
+
+
+def test_a_resumed_run_hands_back_only_the_sessions_its_capacity_actor_counted(monkeypatch):
+    """Resumed, a run reads again what was saved after its checkpoint (up to
+    ``backlog_end`` when it started) and drops what it cannot train. Those
+    sessions were admitted by the stopped run's CapacityActor, not the one the
+    resumed run reports to: discarding them would let as many sessions past its
+    staleness bound. Sessions saved since the resume are handed back as before."""
+    from rlgate.training.batching import GroupBuffer
+
+    monkeypatch.setattr(loop.ray, "get", lambda value: value)
+    state = {"watermark": 0, "done_above": []}
+    buffer = GroupBuffer.restore(state, backlog_end=2, resumed_version=3, batch_size=2, group_size=2)
+    store = Reads(
+        [saved(1, "old", "s1", 1.0, version=0), saved(2, "old", "s2", 0.0, version=0)],  # the backlog: too stale
+        [saved(3, "new", "s3", 1.0, version=0), saved(4, "new", "s4", 0.0, version=0)],  # since: too stale too
+        [saved(5, "ok", "s5", 1.0, version=3), saved(6, "ok", "s6", 0.0, version=3)],
+    )
+    capacity = Discards()
+    batch = loop.collect(buffer, store, capacity, threading.Event(), version=3, max_staleness=1, poll_s=0)
+    assert [sorted(g.sessions) for g in batch.groups] == [["s5", "s6"]]
+    assert buffer.counters.dropped_stale == 4 and capacity.given == [2]  # the backlog's two are not its count
