@@ -42,6 +42,8 @@ from rlgate.run import NAMESPACE, ROLES, actor_name, app_name, end_actors
 from rlgate.sessions.manager import SessionError, new_key
 from rlgate.training.placement import cluster_nodes, plan, unplaceable
 
+CANCEL_RECHECK_S = 24 * 3600.0  # how far back a (re)started JobManager looks for cancelled jobs still running
+
 
 class JobManager:
     def __init__(
@@ -192,10 +194,7 @@ class JobManager:
     async def _stop(self, job_id: str) -> None:
         """Stop the job's Ray job; tidy up once it has ended (the driver cleans up
         after itself on SIGTERM, but not if it is killed first)."""
-        try:
-            await asyncio.to_thread(self.client.stop_job, job_id)
-        except Exception as err:  # already gone: nothing to stop
-            print(f"rlgate jobs: could not stop {job_id}: {err}", file=sys.stderr)
+        await self._stop_ray_job(job_id)
         self._spawn(self._tidy_after_stop(job_id))
 
     def _spawn(self, coroutine) -> None:
@@ -204,14 +203,34 @@ class JobManager:
         task.add_done_callback(self._tasks.discard)
 
     async def _tidy_after_stop(self, job_id: str) -> None:
-        for _ in range(120):
+        for second in range(120):
             if not await self._known_to_ray(job_id):
                 break
             info = await asyncio.to_thread(self.client.get_job_info, job_id)
             if info.status.is_terminal():
                 break
+            if second and second % 10 == 0:  # the stop may have failed (the job API briefly down): again
+                await self._stop_ray_job(job_id)
             await asyncio.sleep(1.0)
         await self._drop_leftovers(job_id)
+
+    async def _stop_ray_job(self, job_id: str) -> None:
+        try:
+            await asyncio.to_thread(self.client.stop_job, job_id)
+        except Exception as err:  # already gone: nothing to stop
+            print(f"rlgate jobs: could not stop {job_id}: {err}", file=sys.stderr)
+
+    async def _stop_cancelled_still_running(self) -> None:
+        """Jobs cancelled lately whose driver still runs: this actor may have died
+        between noting a cancel and stopping its Ray job (the cancel is noted first)."""
+        recent = time.time() - CANCEL_RECHECK_S
+        for job in [j for j in self.book.jobs.values() if j.status == "cancelled" and (j.finished_at or 0) > recent]:
+            if not self.book.submitted(job.job_id) or not await self._known_to_ray(job.job_id):
+                continue
+            info = await asyncio.to_thread(self.client.get_job_info, job.job_id)
+            if not info.status.is_terminal():
+                print(f"rlgate jobs: {job.job_id} was cancelled but still runs; stopping it", file=sys.stderr)
+                await self._stop(job.job_id)
 
     # --- running jobs --------------------------------------------------------------------
 
@@ -272,6 +291,10 @@ class JobManager:
         return True
 
     async def _watch(self) -> None:
+        try:
+            await self._stop_cancelled_still_running()
+        except Exception as err:  # the job API is briefly unavailable: the cancel stays noted
+            print(f"rlgate jobs: could not check cancelled jobs: {err}", file=sys.stderr)
         while True:
             unfinished = [j for j in self.book.jobs.values() if j.status not in jobs.FINISHED]
             for job in [j for j in unfinished if self.book.submitted(j.job_id)]:  # no file look-up for old jobs

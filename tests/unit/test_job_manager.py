@@ -300,3 +300,20 @@ async def test_a_retry_with_the_same_idempotency_key_during_the_first_call_makes
     first, retry = await asyncio.gather(jobs_manager.submit(body(), "key-1"), jobs_manager.submit(body(), "key-1"))
     assert first["job_id"] == retry["job_id"] and len(jobs_manager.book.tracked) == 1
     assert (await jobs_manager.submit(body(), "key-1"))["job_id"] == first["job_id"]  # and afterwards
+
+
+async def test_a_cancel_the_job_manager_died_in_the_middle_of_is_finished_by_its_successor(tmp_path, ray_jobs):
+    """A cancel is noted before the job's Ray job is stopped (so a submission in
+    flight sees it): an actor that dies in between leaves the driver running,
+    holding its resources, while the job reads cancelled. Its successor stops it."""
+    jobs_manager = manager(tmp_path, ray_jobs)
+    job_id = (await jobs_manager.submit(body(), None))["job_id"]
+    await jobs_manager._start_queued()
+    ray_jobs.status[job_id] = "RUNNING"
+    jobs_manager.book.finish(job_id, "cancelled", None)  # noted; the actor dies before the stop
+
+    successor = manager(tmp_path, ray_jobs)
+    await successor._stop_cancelled_still_running()
+    assert ray_jobs.status[job_id] == "STOPPED" and successor.book.jobs[job_id].status == "cancelled"
+    for task in list(successor._tasks):
+        task.cancel()
