@@ -168,10 +168,12 @@ def _normal(host: str) -> str:
 
 
 def _unwrapped(address: Address) -> Address:
-    """The IPv4 address inside an IPv4-mapped or NAT64 IPv6 address, else the address."""
+    """The IPv4 address inside an IPv4-mapped, 6to4 or NAT64 IPv6 address, else the address."""
     if isinstance(address, ipaddress.IPv6Address):
         if address.ipv4_mapped is not None:
             return address.ipv4_mapped
+        if address.sixtofour is not None:  # 2002::/16: a relay would take it to the IPv4 address inside
+            return address.sixtofour
         if address in _NAT64:
             return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
     return address

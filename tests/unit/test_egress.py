@@ -40,6 +40,8 @@ def resolver(table: dict[str, list[str]]):
         ("192.168.1.1", "private"),
         ("fd00::1", "private"),
         ("64:ff9b::a00:1", "private"),  # NAT64 of 10.0.0.1
+        ("2002:7f00:1::", "loopback"),  # 6to4 of 127.0.0.1
+        ("2002:a9fe:a9fe::1", "link-local"),  # 6to4 of 169.254.169.254
         ("224.0.0.1", "multicast"),
         ("ff02::1", "multicast"),
         ("100.64.0.1", "non-public"),  # shared address space (carrier NAT)
