@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from rlgate.sessions.journal import JournalTooBig, SessionJournal
-from rlgate.sessions.trajectory import ExportStyle, Interaction, SessionTrajectory
+from rlgate.sessions.trajectory import ExportStyle, Interaction, SessionTrajectory, TrajectoryRecord
 
 # A request still generating keeps its session from idling out, but no longer
 # than this: a gateway that died mid-request must not pin a session forever.
@@ -95,8 +95,13 @@ async def to_its_end(work: Awaitable[T]) -> T:
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
+        _FINISHING.add(task)  # the event loop holds tasks weakly: kept until it is done
+        task.add_done_callback(_FINISHING.discard)
         task.add_done_callback(_log_unheard)
         raise
+
+
+_FINISHING: set[asyncio.Future] = set()  # ends whose callers have left, until they finish
 
 
 def _log_unheard(task: asyncio.Future) -> None:
@@ -131,6 +136,7 @@ class SessionManager:
         self._ended: dict[str, float] = {}  # key hash -> when its last session ended (for 410)
         self._refreshing: set[str] = set()
         self._closing: set[str] = set()  # key hashes whose session is being exported now
+        self._closed: dict[str, str] = {}  # key hash -> its session, open but closed to its key (close_keys)
         self.ended_by: dict[str, int] = {}  # sessions ended, by reason (ended, failed, refreshed, timeout, ...)
         self.counters = {
             "started": 0,
@@ -226,6 +232,8 @@ class SessionManager:
             if refresh_key_hash in self._by_key:
                 await to_its_end(self._end(self._by_key[refresh_key_hash], reason="refreshed"))
                 self.counters["refreshed"] += 1
+            elif refresh_key_hash in self._closed:  # an earlier application's, not yet saved: saved first
+                await to_its_end(self._end(self._closed[refresh_key_hash], reason="restart"))
             if not await self.capacity.acquire(max(self.refresh_timeout_s, wait_s), task_id, group_size):
                 self.counters["rejected"] += 1
                 raise SessionError(
@@ -294,16 +302,19 @@ class SessionManager:
         await to_its_end(self._end(session.id, reason="failed" if failed else "ended"))
         return count
 
-    async def _end(self, session_id: str, reason: str) -> None:
-        """Close a session, persist its trajectory, return its capacity slot.
+    def _end(self, session_id: str, reason: str) -> Awaitable[None]:
+        """Close a session now, and (awaited) persist its trajectory and return its capacity slot.
 
-        The session leaves the key index first, so no request can add to it
-        while it is being exported. If persisting fails, the session is put
-        back as it was (nothing is lost) and the caller gets a 503. A failed
-        session is saved as one marker record (see ``SessionTrajectory.failure``).
+        The session leaves the key index at once, when this is called, not when
+        it is awaited (or run as a task: see :func:`to_its_end`), so no request
+        can add to it, and no other end start, while it is being exported. If
+        persisting fails, the session is put back as it was (nothing is lost)
+        and the caller gets a 503. A failed session is saved as one marker
+        record (see ``SessionTrajectory.failure``).
         """
         session = self.sessions[session_id]
-        self._by_key.pop(session.key_hash, None)
+        if self._by_key.get(session.key_hash) == session_id:
+            del self._by_key[session.key_hash]
         session.ending = True
         self._closing.add(session.key_hash)
         if not session.train:
@@ -313,6 +324,10 @@ class SessionManager:
         else:
             samples = session.trajectory.export(self.export_style, self.turn_discount)
         records = [sample.record(reason, session.group_size) for sample in samples]
+        return self._save(session, reason, records)
+
+    async def _save(self, session: Session, reason: str, records: list[TrajectoryRecord]) -> None:
+        session_id = session.id
         try:
             if records:
                 # From here the save may reach the disk whatever this call hears: a restarted
@@ -332,6 +347,8 @@ class SessionManager:
         finally:
             self._closing.discard(session.key_hash)
         del self.sessions[session_id]
+        if self._closed.get(session.key_hash) == session_id:
+            del self._closed[session.key_hash]
         self._ended[session.key_hash] = time.time()
         if self.journal is not None:
             try:
@@ -380,7 +397,7 @@ class SessionManager:
         for session_id in session_ids:
             key_hash = self.sessions[session_id].key_hash
             self._by_key.pop(key_hash, None)
-            self._ended[key_hash] = now
+            self._ended[key_hash], self._closed[key_hash] = now, session_id
 
     async def end_sessions(self, session_ids: list[str], reason: str) -> None:
         """End these sessions if still open; one that cannot be saved now stays open
@@ -436,6 +453,7 @@ class SessionManager:
     def record(self, session_id: str, interactions: list[Interaction]) -> None:
         session = self.sessions.get(session_id)
         if session is None or session.ending:
+            self.abandon(session_id)  # a record settles its request, taken or not (an end may yet fail)
             raise SessionError(410, "the session ended while this completion was generated; it was not recorded")
         if session.save_failed:
             self.abandon(session_id)

@@ -223,3 +223,22 @@ async def test_a_new_applications_first_call_already_finds_the_old_keys_ended(tm
         ("b", 0.0, "restart"),
     ]
     fresh.close()
+
+
+async def test_refreshing_an_earlier_applications_key_saves_its_session_first(tmp_path):
+    """A refresh of a key whose session the new owner has not saved yet (an
+    earlier application's, closed to its key) saves that session first, as a
+    refresh of a live key does, so the new session under the key is the key's
+    alone: the background save of the old one must not take the key from it."""
+    journal, slots, saved = tmp_path / "journal.jsonl", Slots(), []
+    (await open_two(journal, slots, saved)).close()
+
+    fresh = owner(journal, slots, saved, resume=False)
+    renewed = await fresh.start("a", hash_key("a"), hash_key("a"), None, 0.0, True)
+    for _ in range(100):
+        if len(saved) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert sorted((r["task_id"], r["end_reason"]) for r in saved) == [("a", "restart"), ("b", "restart")]
+    assert (await fresh.begin(hash_key("a"), []))[0] == renewed and slots.running == 1
+    fresh.close()

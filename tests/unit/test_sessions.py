@@ -510,3 +510,30 @@ async def test_the_idle_sweep_spares_a_session_that_became_busy_while_it_saved_a
     assert await m.expire_idle() == 1
     assert list(m.sessions) == [b]
     m.record(b, [turn("b1")])  # its turn is recorded: the session was kept
+
+
+async def test_a_turn_that_finishes_while_its_session_is_saved_leaves_nothing_in_flight():
+    """A completion that comes back while its session is being saved is refused
+    (410), and its request is out of flight even if the save then fails and the
+    session is put back: it must not look busy to the idle sweep."""
+    m, _, persist = make_manager(fail_times=1)
+    saving, go_on = asyncio.Event(), asyncio.Event()
+    failing = persist.__call__
+
+    async def slow_failing_persist(records):
+        saving.set()
+        await go_on.wait()
+        await failing(records)
+
+    m.persist = slow_failing_persist
+    a = await m.start("task", "a")
+    m.record(a, [turn("a1")])
+    m.begin("a", [])  # a second turn is being generated
+    ending = asyncio.ensure_future(m.end("a"))
+    await saving.wait()
+    await expect_error(410, lambda: m.record(a, [turn("a2")]))
+    go_on.set()
+    with pytest.raises(SessionError) as failed:
+        await ending
+    assert failed.value.status == 503  # the save failed: the session is put back
+    assert m.sessions[a].requests == [] and len(m.sessions[a].trajectory) == 1
