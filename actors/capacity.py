@@ -311,9 +311,10 @@ class CapacityClient:
     with ``note_accepted``, which at worst counts it twice and so admits fewer).
 
     What it holds is ``count()`` (a session is in it from the moment its acquire
-    returns until its release is called) plus the releases called but not sent
-    yet: one waiting behind a recount is still held when the recount is made,
-    and is taken off when it is sent.
+    returns until its release is called), plus the slots granted whose acquire
+    has not returned yet, plus the releases called but not sent yet: one
+    waiting behind a recount is still held when the recount is made, and is
+    taken off when it is sent.
     """
 
     def __init__(self, actor, holder: str, count: Callable[[], int] = lambda: 0) -> None:
@@ -324,16 +325,21 @@ class CapacityClient:
         self._lost = False
         self._reconciling = None  # the holder's (re)start count, sent but not yet applied
         self._unsent_releases = 0  # releases called, not yet sent: still held
+        self._unclaimed_grants = 0  # acquires granted, not yet back with their callers: held, in no count()
+        self._background: set[asyncio.Future] = set()
 
     async def acquire(self, timeout_s: float = 0.0, task_id: str | None = None, group_size: int | None = None) -> bool:
         """As the actor's; a caller cancelled while it waits (its client hung up)
         leaves the call going on, and a slot it is granted then is given back."""
         task = asyncio.ensure_future(self._acquire(timeout_s, task_id, group_size))
         try:
-            return await asyncio.shield(task)
+            granted = await asyncio.shield(task)
         except asyncio.CancelledError:
             task.add_done_callback(self._give_back)
             raise
+        if granted:  # claimed: the caller opens its session before anything else runs, so count() has it
+            self._unclaimed_grants -= 1
+        return granted
 
     async def _acquire(self, timeout_s: float, task_id: str | None, group_size: int | None) -> bool:
         while (granted := await self._call("acquire", timeout_s, task_id, group_size, self.holder)) is _RESTARTED:
@@ -342,8 +348,16 @@ class CapacityClient:
 
     def _give_back(self, acquired: asyncio.Future) -> None:
         if not acquired.cancelled() and acquired.exception() is None and acquired.result():
-            self._unsent_releases += 1  # held (no session counts it) until its release is sent
-            asyncio.ensure_future(self._release(accepted=False))
+            self._unclaimed_grants -= 1  # never claimed: held until its release is sent
+            self._unsent_releases += 1
+            release = asyncio.ensure_future(self._release(accepted=False))
+            self._background.add(release)  # the event loop holds tasks weakly
+            release.add_done_callback(self._given_back)
+
+    def _given_back(self, release: asyncio.Future) -> None:
+        self._background.discard(release)
+        if not release.cancelled() and release.exception() is not None:  # held until the next recount
+            logger.warning("capacity: giving back a slot no session took failed: %s", release.exception())
 
     async def release(self, accepted: bool) -> None:
         self._unsent_releases += 1  # before any await: its session has just left count()
@@ -380,7 +394,10 @@ class CapacityClient:
         self._in_flight += 1  # from here a recount waits for this call, and no longer counts a release as held
         self._unsent_releases -= method == "release"
         try:
-            return await getattr(self.actor, method).remote(*args)
+            answer = await getattr(self.actor, method).remote(*args)
+            if method == "acquire" and answer is True:  # before a recount can run (it waits for this call)
+                self._unclaimed_grants += 1
+            return answer
         except (RayActorError, HolderUnknown) as err:
             logger.warning("capacity %s for %s: the actor restarted (%s); reconciling", method, self.holder, err)
             self._lost = True
@@ -402,7 +419,8 @@ class CapacityClient:
             deadline, pause = time.monotonic() + RECOVER_S, 0.1
             while True:
                 try:  # the actor may still be restarting (ActorUnavailableError): ask until it answers
-                    await self.actor.reconcile.remote(self.count() + self._unsent_releases, self.holder)
+                    held = self.count() + self._unsent_releases + self._unclaimed_grants
+                    await self.actor.reconcile.remote(held, self.holder)
                     break
                 except ActorUnavailableError as err:  # restarting; a dead actor (ActorDiedError) fails at once
                     if time.monotonic() > deadline:

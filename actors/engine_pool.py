@@ -205,6 +205,7 @@ class PoolTenants:
         self.missing: set[str] = set()  # runs that could not be added yet: tried again shortly
         self._applying = asyncio.Lock()
         self._task: asyncio.Task | None = None
+        self._refreshes: set[asyncio.Future] = set()  # ensure()'s, which outlive a cancelled request
 
     async def start(self) -> None:
         """Serve the pool's runs as they are now, then follow their changes."""
@@ -269,6 +270,8 @@ class PoolTenants:
         a new run of its name would then start on the old one's adapter."""
         if run not in self.followers:
             refresh = asyncio.ensure_future(self.refresh(timeout_s=0))
+            self._refreshes.add(refresh)  # the event loop holds tasks weakly
+            refresh.add_done_callback(self._refreshes.discard)
             refresh.add_done_callback(_heard)
             await asyncio.shield(refresh)
 

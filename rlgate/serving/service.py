@@ -74,6 +74,7 @@ class GatewayService:
     ) -> None:
         """``peers``: with colocated replicas, how to reach the owner of another slot."""
         self.settings, self.tokenizer, self.auth, self.peers = settings, tokenizer, auth, peers
+        self._background: set[asyncio.Future] = set()  # work its requests left to finish
         self.sessions, self.engine, self.stores, self.jobs = sessions, engine, stores, jobs
         gateway = settings.gateway
         self.renderer = ChatRenderer(tokenizer) if tokenizer.chat_template else None
@@ -165,7 +166,9 @@ class GatewayService:
             except Exception as err:  # the idle sweep ends it in the end
                 logger.warning("could not end a session whose caller left before it opened: %s", err)
 
-        asyncio.ensure_future(end())
+        ending = asyncio.ensure_future(end())
+        self._background.add(ending)  # the event loop holds tasks weakly
+        ending.add_done_callback(self._background.discard)
 
     async def set_reward(self, body: api.SetRewardRequest, authorization: str | None) -> api.SetRewardResponse:
         key_hash = self.auth.session_key(authorization)
