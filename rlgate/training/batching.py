@@ -24,7 +24,8 @@ sessions' worth of whole groups.
   newer than the trainer's own (a policy a crash discarded before its
   checkpoint; its logprobs describe weights that no longer exist). After a
   resume that is also a group holding a session saved before it
-  (``seq <= backlog_end``) with a token newer than the version resumed at:
+  (``seq <= backlog_end``), or ended by it (``end_reason: restart``: open when
+  the run stopped), with a token newer than the version resumed at:
   the stopped run sampled it from weights the resume abandoned, whatever
   version the resumed run has reached by the time the group completes.
 * ``Counters.discardable`` counts the dropped members saved after
@@ -242,7 +243,10 @@ class GroupBuffer:
 
         def usable(group: Group) -> bool:
             versions = sampled(group.records)
-            abandoned = sampled([r for r in group.records if r["seq"] <= self.backlog_end])
+            # the stopped run's: saved before the resume, or ended by it ("restart": open when it stopped)
+            abandoned = sampled(
+                [r for r in group.records if r["seq"] <= self.backlog_end or r.get("end_reason") == "restart"]
+            )
             return (
                 all(v <= version for v in versions)
                 and any(v >= oldest for v in versions)

@@ -93,9 +93,6 @@ def main() -> int:
         config.model.name = str(start.weights)
     if start.adapter is not None:  # or on the base model with the checkpoint's adapter
         config.model.adapter = str(start.adapter)
-    backlog_end = last_seq(run_dir / "trajectories")  # saved before this (re)start
-    if start.buffer is None:  # a fresh run trains on episodes that finish from now on, the first included
-        start.buffer = {"watermark": backlog_end, "done_above": []}
     tracking = start_tracking(config, run_dir, start.step, args.resume)  # [logging]: fails the run here if it must
     ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE)
     # before anything starts: a bad task app fails the run at once
@@ -107,6 +104,10 @@ def main() -> int:
         forget_earlier_run(config.gateway.run_name, run_dir)
     else:
         forget_stopped_run(config.gateway.run_name)
+    # what was saved before this (re)start, the earlier run's stores gone (they saved until they went)
+    backlog_end = last_seq(run_dir / "trajectories")
+    if start.buffer is None:  # a fresh run trains on episodes that finish from now on, the first included
+        start.buffer = {"watermark": backlog_end, "done_above": []}
     serving = start_serve(config, start.version)
     # Ray Train's workers start while the engines do: nothing joins them before the first step
     trainer = start_trainer(config, gpus, run_dir, start)

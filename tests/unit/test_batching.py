@@ -194,9 +194,10 @@ def test_bad_sizes_are_refused():
 
 def test_a_group_begun_before_a_resume_with_the_stopped_runs_later_policy_is_never_trained():
     """Stopped at version 7, resumed from its checkpoint at 5: a session the
-    stopped run saved at version 7 was sampled from weights the resume
-    abandoned. Its group, completed after the resume, is dropped whatever
-    version the resumed run has reached by then (7 again: not the same 7)."""
+    stopped run saved at version 7 (or had open, and the resumed run's store
+    ended as "restart") was sampled from weights the resume abandoned. Its
+    group, completed after the resume, is dropped whatever version the resumed
+    run has reached by then (7 again: not the same 7)."""
 
     def sampled_by(seq, task, version):
         record = {"seq": seq, "task_id": task, "session_id": f"s{seq}", "reward": float(seq % 2)}
@@ -207,6 +208,8 @@ def test_a_group_begun_before_a_resume_with_the_stopped_runs_later_policy_is_nev
     buffer.add([sampled_by(1, "kept", 5), sampled_by(2, "abandoned", 7)])  # the backlog
     assert buffer.take(version=5, max_staleness=2) is None  # both groups still open
     buffer.add([sampled_by(3, "kept", 6), sampled_by(4, "abandoned", 7)])  # saved after the resume
+    # a session open when the run stopped, ended by the resumed run's store ("restart"): sampled before
+    buffer.add([sampled_by(5, "orphaned", 7) | {"end_reason": "restart"}, sampled_by(6, "orphaned", 7)])
     batch = buffer.take(version=7, max_staleness=2)
     assert [g.task_id for g in batch.groups] == ["kept"]
-    assert buffer.counters.dropped_stale == 2 and buffer.counters.discardable == 1  # s4 only: saved since
+    assert buffer.counters.dropped_stale == 4 and buffer.counters.discardable == 3  # s4, s5, s6: saved since
