@@ -59,7 +59,7 @@ def bearer(authorization: str | None) -> str:
     return token.strip()
 
 
-_SLOTTED = re.compile(r"rlg(\d{1,4})-")
+_SLOTTED = re.compile(r"rlg(\d{1,4})-", re.ASCII)
 
 
 def key_slot(key: str) -> int | None:

@@ -40,7 +40,7 @@ from rlgate.serving.auth import key_slot
 HOOK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 HOOK = "rlgate.serving.routing.proxy_middlewares"
 ROUTER = "rlgate.serving.routing.OwnerRouter"
-_SCOPED = re.compile(r"/s/rlg(\d{1,4})-")
+_SCOPED = re.compile(r"/s/rlg(\d{1,4})-", re.ASCII)
 
 
 def request_slot(path: str, authorization: bytes | None) -> int | None:
@@ -71,13 +71,18 @@ class SessionHeader:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
-            headers = [(k, v) for k, v in scope["headers"] if k.lower() != self.header]
+            # Serve also reads the header spelt with underscores: a client's, in any spelling, goes
+            headers = [(k, v) for k, v in scope["headers"] if _spelling(k) != _spelling(self.header)]
             authorization = next((v for k, v in headers if k.lower() == b"authorization"), None)
             slot = request_slot(scope.get("path", ""), authorization)
             if slot is not None:
                 headers.append((self.header, str(slot).encode()))
             scope = {**scope, "headers": headers}
         await self.app(scope, receive, send)
+
+
+def _spelling(name: bytes) -> bytes:
+    return name.lower().replace(b"_", b"-")
 
 
 def proxy_middlewares() -> list[Middleware]:
@@ -118,7 +123,8 @@ class OwnerRouter(RequestRouter):
             # that never yields to the event loop, so the replica set it waits for never arrives)
             pending_request.routing_context.should_backoff = True
             session = pending_request.metadata.session_id
-        slot = int(session) if session.isdigit() and len(session) <= 4 else None
+        # ASCII digits only: str.isdigit admits "²", which int() refuses (the routing task would die)
+        slot = int(session) if session.isascii() and session.isdigit() and len(session) <= 4 else None
         if slot is not None and slot < self.replicas:
             owner = [r for r in candidate_replicas if r.replica_metadata.get("slot") == slot]
             if owner:
