@@ -42,3 +42,53 @@ async def test_a_request_vllm_refuses_as_the_clients_fault_is_bad_input_not_an_e
                 pass
         assert str(error) in str(raised.value)
     engine._llm = None
+
+
+async def test_two_updates_queued_behind_each_other_never_take_the_version_back(tiny_path):
+    """The follower's update of v5 and a direct update of v3 both arrive while the
+    engine is on v2: the older one, applied second, is refused, not loaded over v5."""
+    import asyncio
+
+    from rlgate.rollout.engines.base import Engine
+
+    class Slow(Engine):
+        def generate(self, prompt_ids, params, request_id=None, whole=False):
+            raise NotImplementedError
+
+        async def _load_weights(self, weights) -> int:
+            await asyncio.sleep(0.01)
+            self.loaded = weights
+            return 1
+
+        async def _set_paused(self, paused: bool) -> None:
+            pass
+
+        def running_requests(self) -> int:
+            return 0
+
+    engine = Slow(tiny_path, 64, initial_version=2)
+    newer, older = await asyncio.gather(
+        engine.update_weights({"v": 5}, 5), engine.update_weights({"v": 3}, 3), return_exceptions=True
+    )
+    assert newer.version == 5 and isinstance(older, ValueError) and "older than the served version 5" in str(older)
+    assert engine.version == 5 and engine.loaded == {"v": 5} and engine._pause_depth == 0
+
+
+async def test_a_request_vllm_refuses_its_sampling_for_counts_no_user_of_its_adapter(tiny_path):
+    """vLLM bounds some sampling settings tighter than rlgate's (a temperature past
+    2, an empty stop string): such a request is bad input (400), and the adapter
+    it would have run on is not left counted as in use (never unloaded)."""
+    from types import SimpleNamespace
+
+    from rlgate.rollout.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine(tiny_path, lora_rank=4)
+    engine._llm = object()  # never reached
+    engine._newest[None] = SimpleNamespace(lora_int_id=1, lora_name="v1")
+    engine._lora_users[1] = 0
+    with pytest.raises(EngineInputError, match="temperature"):
+        async for _ in engine.generate([1, 2, 3], SamplingParams(max_tokens=2, temperature=5.0)):
+            pass
+    assert engine._lora_users == {1: 0}
+    engine._llm = None
+    await engine.shutdown()

@@ -327,15 +327,17 @@ class Engine(abc.ABC):
         resume; in-flight requests continue on the new weights afterwards, their
         KV cache computed again on them (each later token is exactly the new version's).
         """
-        if version < self.version:
-            raise ValueError(f"version {version} is older than the served version {self.version}")
         loop = asyncio.get_running_loop()
-        async with self._update_lock, self.paused():
-            started = loop.time()
-            count = await self._load_weights(str(weights) if isinstance(weights, Path) else weights)
-            self.version = version
-            await self._after_update(version)
-            seconds = loop.time() - started
+        async with self._update_lock:
+            # checked under the lock: two updates waiting for it apply in turn, never the older last
+            if version < self.version:
+                raise ValueError(f"version {version} is older than the served version {self.version}")
+            async with self.paused():
+                started = loop.time()
+                count = await self._load_weights(str(weights) if isinstance(weights, Path) else weights)
+                self.version = version
+                await self._after_update(version)
+                seconds = loop.time() - started
         return WeightUpdateReport(version=version, seconds=seconds, tensors=count)
 
     async def _after_update(self, version: int) -> None:

@@ -248,16 +248,18 @@ class VLLMEngine(Engine):
         from vllm.inputs import tokens_input
 
         params = self.check_request(prompt_ids, params)
+        try:
+            sampling = self._vllm_params(params, whole)
+        except Exception as err:  # vLLM's own bounds (a temperature past 100, an empty stop string)
+            raise_refused(err)
         request_id = request_id or uuid.uuid4().hex
         # On a LoRA engine a request keeps the adapter it starts with (or the base model), and its version.
         version = self.tenant_version(tenant) if self.lora_rank is not None else None
         lora = self._newest.get(tenant)
         adapter = lora.lora_name if lora is not None else None
-        if lora is not None:
+        if lora is not None:  # counted out in the finally below, once vLLM has let the request go
             self._lora_users[lora.lora_int_id] += 1
-        stream = self.llm.generate(
-            tokens_input(list(prompt_ids)), self._vllm_params(params, whole), request_id, lora_request=lora
-        )
+        stream = self.llm.generate(tokens_input(list(prompt_ids)), sampling, request_id, lora_request=lora)
         # A separate task drains vLLM's stream as soon as outputs arrive, so each
         # token is labelled with the version current when it was produced even
         # if our consumer is slow (vLLM merges unread deltas).
