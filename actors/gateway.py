@@ -204,7 +204,8 @@ class Gateway:
     async def start_session_here(self, body: dict, base_url: str, authorization: str | None) -> dict:
         """``start_session`` forwarded by another replica: the refresh of a key of this slot."""
         try:
-            started = await self.service.start_session(api.StartSessionRequest(**body), base_url, authorization)
+            request = api.StartSessionRequest(**body)
+            started = await self.service.start_session(request, base_url, authorization, forwarded=True)
         except HTTPError as err:  # crosses the process boundary as the session error it is
             raise SessionError(err.status, err.message, err.retry_after) from None
         return started.model_dump()

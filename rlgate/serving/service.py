@@ -124,14 +124,18 @@ class GatewayService:
     # --- session routes (AReaL-compatible) -----------------------------------
 
     async def start_session(
-        self, body: api.StartSessionRequest, base_url: str, authorization: str | None
+        self, body: api.StartSessionRequest, base_url: str, authorization: str | None, forwarded: bool = False
     ) -> api.StartSessionResponse:
+        """``forwarded``: sent here by another replica for its owner; if this is not
+        the owner either (it was away: the router gave up waiting), 421, not forwarded again."""
         self.auth.admin(authorization)
         slot = self.auth.slot
         if body.api_key is not None:
             if self.auth.is_admin(body.api_key):
                 raise HTTPError(400, "api_key must be a session key, not the admin key", param="api_key")
             owner = slot.owner(body.api_key) if slot is not None else None
+            if owner is not None and forwarded:
+                slot.check(body.api_key)  # 421: its owner is away
             if owner is not None and self.peers is not None:  # a refresh belongs with the key's sessions
                 return await self.peers.start_session(owner, body, base_url, authorization)
             key, refresh = body.api_key, hash_key(body.api_key)

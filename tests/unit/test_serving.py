@@ -283,3 +283,37 @@ async def test_a_turn_the_session_refuses_to_record_leaves_its_other_requests_in
             model="tiny-random", messages=[{"role": "user", "content": "x"}], max_tokens=2, n=2
         )
     assert len(session.requests) == 1 and len(session.trajectory) == 0
+
+
+async def test_a_refresh_forwarded_to_a_replica_that_is_not_the_keys_owner_is_421_not_forwarded_again(
+    tmp_path, tiny_tokenizer
+):
+    """A refresh of another slot's key is forwarded to its owner; if the router gave
+    up waiting for an owner that is away and sent it elsewhere, that replica answers
+    421 rather than forward it once more (a chain that grew while the owner was gone)."""
+    from rlgate.config import parse_config
+    from rlgate.serving import api
+    from rlgate.serving.auth import Auth, Slot
+    from rlgate.serving.clients import JobsClient
+    from rlgate.serving.errors import HTTPError
+    from rlgate.serving.service import GatewayService
+    from rlgate.sessions.manager import hash_key, new_session_key
+
+    class Peers:
+        def __init__(self) -> None:
+            self.forwarded: list[int] = []
+
+        async def start_session(self, owner, body, base_url, authorization):
+            self.forwarded.append(owner)
+            return api.StartSessionResponse(session_id="s", api_key=body.api_key, inference_url="u")
+
+    settings = parse_config({"model": {"name": "tiny-random"}, "gateway": {"run_dir": str(tmp_path)}})
+    peers = Peers()
+    service = GatewayService(
+        settings, tiny_tokenizer, Auth(hash_key(ADMIN), Slot(0, 3)), None, None, None, JobsClient(lambda: None), peers
+    )
+    body = api.StartSessionRequest(task_id="t", api_key=new_session_key(2))
+    await service.start_session(body, "http://gateway", f"Bearer {ADMIN}")  # from an agent: to its owner
+    with pytest.raises(HTTPError) as refused:
+        await service.start_session(body, "http://gateway", f"Bearer {ADMIN}", forwarded=True)
+    assert refused.value.status == 421 and peers.forwarded == [2]
