@@ -68,6 +68,19 @@ def turn(id, prompt=(1, 2), completion=(3,), parent=None, key=None):
     )
 
 
+def gated_saves(m: SessionManager, persist: FakePersist) -> tuple[asyncio.Event, asyncio.Event]:
+    """Make ``m``'s saves wait at a gate: (set when a save reaches it, what opens it)."""
+    saving, go_on = asyncio.Event(), asyncio.Event()
+
+    async def gated(records):
+        saving.set()
+        await go_on.wait()
+        await persist(records)
+
+    m.persist = gated
+    return saving, go_on
+
+
 async def expect_error(status, awaitable_or_call, match=None):
     with pytest.raises(SessionError) as info:
         result = awaitable_or_call()
@@ -470,15 +483,7 @@ async def test_an_end_whose_caller_is_cancelled_mid_save_still_finishes():
     slot's release go on regardless, so the retried end finds the session ended,
     not an unknown key, and nothing is left half-ended."""
     m, capacity, persist = make_manager()
-    saving, go_on = asyncio.Event(), asyncio.Event()
-    saved = persist.__call__
-
-    async def slow_persist(records):
-        saving.set()
-        await go_on.wait()
-        await saved(records)
-
-    m.persist = slow_persist
+    saving, go_on = gated_saves(m, persist)
     a = await m.start("task", "a")
     m.record(a, [turn("a1")])
     ending = asyncio.ensure_future(m.end("a"))
@@ -517,15 +522,7 @@ async def test_a_turn_that_finishes_while_its_session_is_saved_leaves_nothing_in
     (410), and its request is out of flight even if the save then fails and the
     session is put back: it must not look busy to the idle sweep."""
     m, _, persist = make_manager(fail_times=1)
-    saving, go_on = asyncio.Event(), asyncio.Event()
-    failing = persist.__call__
-
-    async def slow_failing_persist(records):
-        saving.set()
-        await go_on.wait()
-        await failing(records)
-
-    m.persist = slow_failing_persist
+    saving, go_on = gated_saves(m, persist)
     a = await m.start("task", "a")
     m.record(a, [turn("a1")])
     m.begin("a", [])  # a second turn is being generated
