@@ -57,6 +57,16 @@ def assert_same_greedy(reference, prompt: list[int], a: list[int], b: list[int],
     return shared
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` different free ports (each as :func:`free_port`): separate draws of
+    one port can return the same one, which a process given both refuses."""
+    ports: list[int] = []
+    while len(ports) < count:
+        if (port := free_port()) not in ports:
+            ports.append(port)
+    return ports
+
+
 def free_port(count: int = 1) -> int:
     """A loopback TCP port nothing listens on right now (with ``count``, the first
     of that many in a row). Drawn from 20000-31999: above Ray's worker ports

@@ -25,7 +25,7 @@ import yaml
 
 from rlgate.config import load_config
 from rlgate.training.placement import ROLLOUT_RESOURCE, TRAINER_RESOURCE
-from tests.support import ROOT, free_port, lines
+from tests.support import ROOT, free_port, free_ports, lines
 
 BIN = Path(sys.executable).parent  # the ray and serve commands of this environment
 ADMIN_KEY = "cluster-test-admin-key-0123456789"
@@ -82,17 +82,19 @@ def cluster(tmp_path_factory):
     logs = tmp_path_factory.mktemp("cluster")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env |= {"PATH": f"{BIN}{os.pathsep}{env['PATH']}", "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-    gcs, dashboard, metrics = free_port(), free_port(), [free_port(), free_port()]
+    # every port the two nodes take, drawn at once so no two are the same (Ray refuses a port given twice)
+    ports = iter(free_ports(11))
+    gcs, dashboard, metrics = next(ports), next(ports), [next(ports), next(ports)]
 
     def node(name: str, index: int, resources: dict, *args: str) -> subprocess.Popen:
-        ports = [
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--dashboard-agent-grpc-port={free_port()}",
-            f"--runtime-env-agent-port={free_port()}",
+        own = [
+            f"--dashboard-agent-listen-port={next(ports)}",
+            f"--dashboard-agent-grpc-port={next(ports)}",
+            f"--runtime-env-agent-port={next(ports)}",
             f"--metrics-export-port={metrics[index]}",
         ]
         command = [str(BIN / "ray"), "start", "--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats"]
-        command += ["--num-cpus=2", "--num-gpus=0", f"--resources={json.dumps(resources)}", *ports, *args]
+        command += ["--num-cpus=2", "--num-gpus=0", f"--resources={json.dumps(resources)}", *own, *args]
         with open(logs / f"{name}.log", "w") as out:
             return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -106,12 +108,18 @@ def cluster(tmp_path_factory):
         "--include-dashboard=true",
         "--dashboard-host=127.0.0.1",
         f"--dashboard-port={dashboard}",
-        f"--ray-client-server-port={free_port()}",
+        f"--ray-client-server-port={next(ports)}",
     )
     processes = [head]
     try:
         running = Cluster(f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dashboard}", metrics, env, logs)
-        wait_for("the head node", lambda: head.poll() is None and running.state("nodes"), 120)
+
+        def head_up():
+            if head.poll() is not None:  # exited: say why at once, not after the whole wait
+                raise AssertionError(f"the head node exited:\n{(logs / 'head.log').read_text()[-3000:]}")
+            return running.state("nodes")
+
+        wait_for("the head node", head_up, 120)
         processes.append(node("worker", 1, {TRAINER_RESOURCE: 1}, f"--address=127.0.0.1:{gcs}"))
         wait_for("two nodes", lambda: sum(n["state"] == "ALIVE" for n in running.state("nodes")) == 2, 120)
         yield running
