@@ -34,6 +34,7 @@ from pathlib import Path
 
 import ray
 
+from rlgate.background import keep, to_its_end
 from rlgate.logfile import append_whole, json_lines, open_log
 from rlgate.run import run_of
 from rlgate.sessions.capacity import CapacityRule, CapacityStats, GroupReservations, free_slots
@@ -326,17 +327,11 @@ class CapacityClient:
         self._reconciling = None  # the holder's (re)start count, sent but not yet applied
         self._unsent_releases = 0  # releases called, not yet sent: still held
         self._unclaimed_grants = 0  # acquires granted, not yet back with their callers: held, in no count()
-        self._background: set[asyncio.Future] = set()
 
     async def acquire(self, timeout_s: float = 0.0, task_id: str | None = None, group_size: int | None = None) -> bool:
         """As the actor's; a caller cancelled while it waits (its client hung up)
         leaves the call going on, and a slot it is granted then is given back."""
-        task = asyncio.ensure_future(self._acquire(timeout_s, task_id, group_size))
-        try:
-            granted = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(self._give_back)
-            raise
+        granted = await to_its_end(self._acquire(timeout_s, task_id, group_size), "a slot's acquire", self._give_back)
         if granted:  # claimed: the caller opens its session before anything else runs, so count() has it
             self._unclaimed_grants -= 1
         return granted
@@ -350,14 +345,7 @@ class CapacityClient:
         if not acquired.cancelled() and acquired.exception() is None and acquired.result():
             self._unclaimed_grants -= 1  # never claimed: held until its release is sent
             self._unsent_releases += 1
-            release = asyncio.ensure_future(self._release(accepted=False))
-            self._background.add(release)  # the event loop holds tasks weakly
-            release.add_done_callback(self._given_back)
-
-    def _given_back(self, release: asyncio.Future) -> None:
-        self._background.discard(release)
-        if not release.cancelled() and release.exception() is not None:  # held until the next recount
-            logger.warning("capacity: giving back a slot no session took failed: %s", release.exception())
+            keep(self._release(accepted=False), "giving back a slot no session took")  # if not: the next recount
 
     async def release(self, accepted: bool) -> None:
         self._unsent_releases += 1  # before any await: its session has just left count()

@@ -34,6 +34,7 @@ import ray
 from ray import serve
 
 from rlgate.actors.policy_store import PolicyFollower
+from rlgate.background import to_its_end
 from rlgate.rollout.pool import LEASE, PoolRefused, PoolSpec, TenantInfo, pool_name
 from rlgate.run import NAMESPACE, actor_name, get_actor, is_alive
 
@@ -187,12 +188,6 @@ def leave_pool(pool: str, run: str) -> None:
         ray.kill(lease)
 
 
-def _heard(task: asyncio.Future) -> None:
-    """A refresh whose request left: its error is the watch's to retry, not unheard."""
-    if not task.cancelled() and task.exception() is not None:
-        logger.info("serving a pool run for a request that went away failed: %s", task.exception())
-
-
 class PoolTenants:
     """A pool replica's runs: each served by the engine as a tenant, followed from its own PolicyStore."""
 
@@ -205,7 +200,6 @@ class PoolTenants:
         self.missing: set[str] = set()  # runs that could not be added yet: tried again shortly
         self._applying = asyncio.Lock()
         self._task: asyncio.Task | None = None
-        self._refreshes: set[asyncio.Future] = set()  # ensure()'s, which outlive a cancelled request
 
     async def start(self) -> None:
         """Serve the pool's runs as they are now, then follow their changes."""
@@ -269,11 +263,7 @@ class PoolTenants:
         up): cut short, a run could stay the engine's tenant with no follower, and
         a new run of its name would then start on the old one's adapter."""
         if run not in self.followers:
-            refresh = asyncio.ensure_future(self.refresh(timeout_s=0))
-            self._refreshes.add(refresh)  # the event loop holds tasks weakly
-            refresh.add_done_callback(self._refreshes.discard)
-            refresh.add_done_callback(_heard)
-            await asyncio.shield(refresh)
+            await to_its_end(self.refresh(timeout_s=0), "serving a pool run for a request")  # else: the watch
 
     async def stop(self) -> None:
         if self._task is not None:

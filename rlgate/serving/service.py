@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING
 from openai.types import Completion, CompletionChoice, CompletionUsage, Model
 from openai.types.completion_choice import Logprobs
 
+from rlgate.background import keep, to_its_end
 from rlgate.config import RLGateConfig
 from rlgate.rollout.engines import SamplingParams
 from rlgate.serving import api
@@ -42,8 +42,6 @@ from rlgate.sessions.trajectory import Interaction
 # every other request this process serves; shorter ones stay on the event loop,
 # where a thread hop would cost more than the work.
 OFF_LOOP_CHARS = 32_768
-
-logger = logging.getLogger(__name__)
 
 
 def prompt_chars(messages: list[dict], tools: list[dict] | None, request: api.ChatCompletionRequest) -> int:
@@ -74,7 +72,6 @@ class GatewayService:
     ) -> None:
         """``peers``: with colocated replicas, how to reach the owner of another slot."""
         self.settings, self.tokenizer, self.auth, self.peers = settings, tokenizer, auth, peers
-        self._background: set[asyncio.Future] = set()  # work its requests left to finish
         self.sessions, self.engine, self.stores, self.jobs = sessions, engine, stores, jobs
         gateway = settings.gateway
         self.renderer = ChatRenderer(tokenizer) if tokenizer.chat_template else None
@@ -143,17 +140,12 @@ class GatewayService:
         else:
             key, refresh = new_session_key(None if slot is None else slot.index), None
         follow_template = (body.reasoning_history or self.settings.gateway.reasoning_history) == "template"
-        starting = asyncio.ensure_future(
-            self.sessions.start(
-                body.task_id, hash_key(key), refresh, body.group_size, body.wait_s, body.train, follow_template
-            )
+        starting = self.sessions.start(
+            body.task_id, hash_key(key), refresh, body.group_size, body.wait_s, body.train, follow_template
         )
-        try:
-            session_id = await asyncio.shield(starting)
-        except asyncio.CancelledError:  # the caller hung up: a session that opens after all has no agent
-            if refresh is None:
-                starting.add_done_callback(lambda started: self._end_unclaimed(started, hash_key(key)))
-            raise
+        # the caller may hang up while it waits: a (new) session that opens after all has no agent
+        unclaimed = (lambda started: self._end_unclaimed(started, hash_key(key))) if refresh is None else None
+        session_id = await to_its_end(starting, "a session's start", unclaimed)
         base = self.settings.gateway.public_url or base_url
         inference_url = f"{base.rstrip('/')}/s/{key}/v1"
         return api.StartSessionResponse(session_id=session_id, api_key=key, inference_url=inference_url)
@@ -164,15 +156,7 @@ class GatewayService:
         if started.cancelled() or started.exception() is not None:
             return
 
-        async def end() -> None:
-            try:
-                await self.sessions.end(key_hash, False)
-            except Exception as err:  # the idle sweep ends it in the end
-                logger.warning("could not end a session whose caller left before it opened: %s", err)
-
-        ending = asyncio.ensure_future(end())
-        self._background.add(ending)  # the event loop holds tasks weakly
-        ending.add_done_callback(self._background.discard)
+        keep(self.sessions.end(key_hash, False), "ending a session whose caller left")  # if not: the idle sweep
 
     async def set_reward(self, body: api.SetRewardRequest, authorization: str | None) -> api.SetRewardResponse:
         key_hash = self.auth.session_key(authorization)

@@ -22,8 +22,9 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Protocol
 
+from rlgate.background import to_its_end
 from rlgate.sessions.journal import JournalTooBig, SessionJournal
 from rlgate.sessions.trajectory import ExportStyle, Interaction, SessionTrajectory, TrajectoryRecord
 
@@ -81,32 +82,6 @@ class Parent:
     key: str
     sequence: list[int]
     last_token: list[int]
-
-
-T = TypeVar("T")
-
-
-async def to_its_end(work: Awaitable[T]) -> T:
-    """Await ``work`` (a session's end: its save, then its slot's release), which
-    goes on to its finish even if this caller is cancelled (its client hung up:
-    Serve cancels a request's handler then). Cut short, it would leave the
-    session out of its key's reach but never saved nor released."""
-    task = asyncio.ensure_future(work)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        _FINISHING.add(task)  # the event loop holds tasks weakly: kept until it is done
-        task.add_done_callback(_FINISHING.discard)
-        task.add_done_callback(_log_unheard)
-        raise
-
-
-_FINISHING: set[asyncio.Future] = set()  # ends whose callers have left, until they finish
-
-
-def _log_unheard(task: asyncio.Future) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        logger.warning("a session's end, finished after its caller left, failed: %s", task.exception())
 
 
 class SessionManager:
@@ -230,10 +205,14 @@ class SessionManager:
         self._refreshing.add(refresh_key_hash)
         try:
             if refresh_key_hash in self._by_key:
-                await to_its_end(self._end(self._by_key[refresh_key_hash], reason="refreshed"))
+                await to_its_end(
+                    self._end(self._by_key[refresh_key_hash], reason="refreshed"), "a refreshed session's save"
+                )
                 self.counters["refreshed"] += 1
             elif refresh_key_hash in self._closed:  # an earlier application's, not yet saved: saved first
-                await to_its_end(self._end(self._closed[refresh_key_hash], reason="restart"))
+                await to_its_end(
+                    self._end(self._closed[refresh_key_hash], reason="restart"), "an earlier session's save"
+                )
             if not await self.capacity.acquire(max(self.refresh_timeout_s, wait_s), task_id, group_size):
                 self.counters["rejected"] += 1
                 raise SessionError(
@@ -299,14 +278,14 @@ class SessionManager:
         is trained on). Returns how many completions the session recorded."""
         session = self._live(key_hash)
         count = len(session.trajectory)
-        await to_its_end(self._end(session.id, reason="failed" if failed else "ended"))
+        await to_its_end(self._end(session.id, reason="failed" if failed else "ended"), "a session's end")
         return count
 
     def _end(self, session_id: str, reason: str) -> Awaitable[None]:
         """Close a session now, and (awaited) persist its trajectory and return its capacity slot.
 
         The session leaves the key index at once, when this is called, not when
-        it is awaited (or run as a task: see :func:`to_its_end`), so no request
+        it is awaited (or run as a task: see :func:`rlgate.background.to_its_end`), so no request
         can add to it, and no other end start, while it is being exported. If
         persisting fails, the session is put back as it was (nothing is lost)
         and the caller gets a 503. A failed session is saved as one marker

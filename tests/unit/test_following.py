@@ -100,7 +100,7 @@ async def test_a_pool_run_added_for_a_request_that_went_away_is_still_followed(m
     pool = object.__new__(PoolTenants)
     pool.engine, pool.replica, pool.keeper = Engine(), "replica-0", type("K", (), {"tenants": Remote(tenants)})()
     pool.followers, pool.joined, pool.known, pool.missing = {}, {}, None, set()
-    pool._applying, pool._task, pool._refreshes = asyncio.Lock(), None, set()
+    pool._applying, pool._task = asyncio.Lock(), None
 
     request = asyncio.ensure_future(pool.ensure("run-a"))
     await catching_up.wait()  # the tenant is added; its follower is catching up
