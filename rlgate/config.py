@@ -519,7 +519,9 @@ class EvaluationConfig(_Section):
         "built-in task's problems drawn with these seeds.",
     )
     n: int = Field(1, ge=1, le=1024, description="Episodes per seed (pass@k is reported for k up to n).")
-    pass_threshold: float = Field(1.0, description="An episode passes when its reward is at least this.")
+    pass_threshold: float = Field(
+        1.0, allow_inf_nan=False, description="An episode passes when its reward is at least this."
+    )
     env_config: dict = Field(
         default_factory=dict, description="Merged over [task] env_config for evaluation episodes (e.g. a split)."
     )
@@ -600,6 +602,12 @@ class RLGateConfig(_Section):
                 )
         if self.task.dataset is not None and self.services.task_url is not None:
             raise ValueError("set one of [task] dataset and [services] task_url (a task app), not both")
+        if self.task.max_tokens > self.gateway.max_completion_tokens:
+            raise ValueError(
+                f"[task] max_tokens ({self.task.max_tokens}) is more than the gateway allows a request "
+                f"([gateway] max_completion_tokens {self.gateway.max_completion_tokens}): every episode's "
+                "request would be refused; lower the one or raise the other"
+            )
         return self
 
     @property
@@ -614,9 +622,26 @@ def load_config(path: str | Path) -> RLGateConfig:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: a folder, not a config file (give a .toml file in it)") from None
+    except PermissionError:
+        raise ConfigError(f"{path}: not readable (permission denied)") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (a config is TOML in UTF-8)") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML: {err}") from None
     return parse_config(data, source=str(path))
+
+
+def with_changes(config: RLGateConfig, changes: dict[str, dict], source: str = "config") -> RLGateConfig:
+    """``config`` with some keys replaced (``{"task": {"builtin": None}}``), the whole tree
+    validated once at the end: setting keys one by one would check each section half-changed
+    (switching [task] from a dataset to a built-in task passes through having both) and never
+    run the checks across sections."""
+    data = config.model_dump(exclude_unset=True)
+    for section, keys in changes.items():
+        data.setdefault(section, {}).update(keys)
+    return validated(data, source)
 
 
 def null_paths(tree: object, at: str = "") -> list[str]:
@@ -659,8 +684,12 @@ def parse_config_noting(data: dict, source: str = "config") -> tuple[RLGateConfi
             # where a table was due, infinity where a count was
             raise ConfigError(f"{source}: a synth-ai key has a value it cannot take: {err}") from None
         data, ignored = mapped.config, mapped.ignored
+    return validated(data, source), ignored
+
+
+def validated(data: dict, source: str) -> RLGateConfig:
     try:
-        return RLGateConfig.model_validate(data), ignored
+        return RLGateConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(f"{source}: " + "; ".join(_describe(e) for e in err.errors())) from None
 

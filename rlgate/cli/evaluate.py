@@ -60,27 +60,34 @@ def serve_model_of(config: RLGateConfig, model: str) -> str:
 
 
 def configured(args) -> RLGateConfig:
-    from rlgate.config import load_config
+    from rlgate.config import load_config, with_changes
 
     config = load_config(args.config)
+    no_source = {"task": {"builtin": None, "dataset": None, "reward": None}, "services": {"task_url": None}}
     if args.task is not None:
-        config.task.builtin, config.task.dataset, config.services.task_url = args.task, None, None
+        config = with_changes(config, _merged(no_source, {"task": {"builtin": args.task}}), "--task")
     if args.dataset is not None:
         if args.reward is None:
             raise ValueError("--dataset needs --reward MODULE:FUNCTION (or FILE.py:FUNCTION)")
-        config.task.builtin, config.services.task_url = None, None
-        config.task.dataset, config.task.reward = args.dataset, args.reward
+        dataset = {"task": {"dataset": args.dataset, "reward": args.reward}}
+        config = with_changes(config, _merged(no_source, dataset), "--dataset")
     if args.task_app is not None:
-        config.task.builtin, config.task.dataset, config.services.task_url = None, None, args.task_app
-    if args.seeds:
-        config.evaluation.seeds = seeds_of(args.seeds)
-    if args.n is not None:
-        config.evaluation.n = args.n
-    if args.threshold is not None:
-        config.evaluation.pass_threshold = args.threshold
+        config = with_changes(config, _merged(no_source, {"services": {"task_url": args.task_app}}), "--task-app")
+    seeds = seeds_of(args.seeds) if args.seeds else None
+    for flag, key, value in (
+        ("--seeds", "seeds", seeds),
+        ("--n", "n", args.n),
+        ("--threshold", "pass_threshold", args.threshold),
+    ):
+        if value is not None:
+            config = with_changes(config, {"evaluation": {key: value}}, flag)
     if not config.evaluation.seeds:
         raise ValueError("no seeds to evaluate: give --seeds (e.g. 0-31) or [evaluation] seeds")
     return config
+
+
+def _merged(base: dict[str, dict], more: dict[str, dict]) -> dict[str, dict]:
+    return {section: {**base.get(section, {}), **more.get(section, {})} for section in base.keys() | more.keys()}
 
 
 def run_eval(args) -> int:

@@ -32,12 +32,11 @@ from pathlib import Path
 
 import httpx
 import ray
-from pydantic import ValidationError
 from ray import serve
 
 from rlgate.actors.engine_pool import leave_pool
 from rlgate.actors.trainer import TrainerWorkers
-from rlgate.config import ConfigError, RLGateConfig, dump_config, load_config
+from rlgate.config import ConfigError, RLGateConfig, dump_config, load_config, with_changes
 from rlgate.rollout.pool import pool_name
 from rlgate.run import (
     ADAPTER,
@@ -166,23 +165,25 @@ def configured(args: argparse.Namespace) -> RLGateConfig:
     """The run's config: the file, then the command line's overrides."""
     try:
         config = load_config(args.config)
-        if args.run_name is not None:
-            config.gateway.run_name = args.run_name  # validated like the TOML key
-        if args.run_dir is not None:
-            config.gateway.run_dir = args.run_dir
-        if args.task_app is not None:
-            config.services.task_url = args.task_app
-        if args.model is not None:
-            config.model.name = args.model
+        flags = {
+            ("gateway", "run_name"): args.run_name,
+            ("gateway", "run_dir"): args.run_dir,
+            ("services", "task_url"): args.task_app,
+            ("model", "name"): args.model,
+        }
+        changes: dict[str, dict] = {}
+        for (section, key), value in flags.items():
+            if value is not None:
+                changes.setdefault(section, {})[key] = value
+        if changes:  # validated like the TOML keys, the whole tree at once
+            config = with_changes(config, changes, "the command line")
         if config.model.adapter is not None and config.training.lora is None:
             raise ConfigError(
                 "[model] adapter: training goes on from an adapter with [training.lora]; without it the first "
                 "full-weight push would replace the weights the adapter sits on"
             )
-    except (ConfigError, ValidationError) as err:
+    except ConfigError as err:
         raise SystemExit(f"rlgate: {err}") from None
-    if config.task.dataset is not None and config.services.task_url is not None:  # --task-app over a dataset
-        raise SystemExit("rlgate: set one of [task] dataset and --task-app ([services] task_url), not both")
     return config
 
 

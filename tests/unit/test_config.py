@@ -6,7 +6,7 @@ import tomllib
 
 import pytest
 
-from rlgate.config import ConfigError, dump_config, load_config, parse_config
+from rlgate.config import ConfigError, dump_config, load_config, parse_config, with_changes
 from tests.support import ROOT
 
 
@@ -65,6 +65,34 @@ def test_missing_and_malformed_files(tmp_path):
     broken.write_text("[model\nname = 1")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(broken)
+    with pytest.raises(ConfigError, match="a folder, not a config file"):
+        load_config(tmp_path)
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(b"\x80\x81\xfe\xff")
+    with pytest.raises(ConfigError, match="not a text file"):
+        load_config(binary)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_a_config_with_no_changes_is_the_same_config(path):
+    config = load_config(path)
+    assert with_changes(config, {}) == config
+
+
+def test_changes_are_checked_once_over_the_whole_tree():
+    dataset = parse_config({"task": {"dataset": "rows.jsonl", "reward": "m:f"}})
+    switched = with_changes(dataset, {"task": {"builtin": "vowels", "dataset": None, "reward": None}})
+    assert (switched.task.builtin, switched.task.dataset, switched.task.reward) == ("vowels", None, None)
+    assert dataset.task.dataset == "rows.jsonl"  # the original is not changed
+    with pytest.raises(ConfigError, match="set one of \\[task\\] dataset and \\[services\\] task_url"):
+        with_changes(dataset, {"services": {"task_url": "http://127.0.0.1:9000"}}, "--task-app")
+    with pytest.raises(ConfigError, match="--run-name: gateway.run_name"):
+        with_changes(dataset, {"gateway": {"run_name": "no spaces here"}}, "--run-name")
+    with pytest.raises(ConfigError, match=r"\[task\] max_tokens \(8192\) is more than the gateway allows"):
+        with_changes(dataset, {"task": {"max_tokens": 8192}})
+    assert with_changes(dataset, {"task": {"max_tokens": 8192}, "gateway": {"max_completion_tokens": 8192}})
+    colocated = parse_config({"gateway": {"colocate": True}, "rollout": {"replicas": 2}})
+    assert with_changes(colocated, {"model": {"name": "tiny-random"}}).gateway.replicas == 2
 
 
 def test_cluster_yaml_is_a_launcher_config_with_cpu_head_and_gpu_workers():

@@ -105,6 +105,15 @@ def test_rlgate_eval_takes_its_episodes_and_model_from_flags_over_the_config(tmp
     assert config.task.builtin == "arithmetic" and config.evaluation.seeds == [0, 1, 2, 9] and config.evaluation.n == 4
     with pytest.raises(ValueError, match="--dataset needs --reward"):
         configured(argparse.Namespace(**{**flags, "dataset": "rows.jsonl"}))
+    config = configured(argparse.Namespace(**{**flags, "dataset": "rows.jsonl", "reward": "m:f"}))
+    assert (config.task.builtin, config.task.dataset, config.task.reward) == (None, "rows.jsonl", "m:f")
+    config_file.write_text('[task]\ndataset = "rows.jsonl"\nreward = "m:f"\n[evaluation]\nseeds = [1]\n')
+    config = configured(argparse.Namespace(**{**flags, "task": "vowels"}))  # one source replaces another
+    assert (config.task.builtin, config.task.dataset, config.task.reward) == ("vowels", None, None)
+    config = configured(argparse.Namespace(**{**flags, "task_app": "http://127.0.0.1:9000"}))
+    assert config.services.task_url == "http://127.0.0.1:9000" and config.task.dataset is None
+    with pytest.raises(ValueError, match="--threshold: evaluation.pass_threshold"):
+        configured(argparse.Namespace(**{**flags, "threshold": float("nan")}))
     config_file.write_text('[task]\nbuiltin = "vowels"\n')
     with pytest.raises(ValueError, match="no seeds to evaluate: give --seeds"):
         configured(argparse.Namespace(**flags))
