@@ -12,9 +12,12 @@
 
 :class:`AsyncClient`, :class:`AsyncRLJob` and :class:`AsyncSession` are the
 same API with ``await``. A client keeps one pooled HTTP connection set
-(``httpx``) for everything made from it; 429 and 503 answers, and
-connections that could not be opened, are retried ``max_retries`` times,
-after the server's ``Retry-After`` or an exponential backoff. A refusal
+(``httpx``) for everything made from it. Connections that could not be
+opened and 429 answers (no capacity: nothing was done) are retried
+``max_retries`` times, after the server's ``Retry-After`` or an exponential
+backoff; so are 503 answers to calls that may safely be made twice (GETs, a
+job submission, which carries an ``Idempotency-Key``, and the session calls),
+but not to others, where a 503 may come after the work was done. A refusal
 raises a typed :class:`APIStatusError` (``AuthenticationError``,
 ``NotFoundError``, ``RateLimitError``, ...) carrying the server's message;
 an unreachable server :class:`APIConnectionError`. All are
@@ -29,6 +32,7 @@ import os
 import random
 import time
 import tomllib
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,7 +41,7 @@ import httpx
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 FINISHED = ("succeeded", "failed", "cancelled")
-RETRIED = (429, 503)  # the server says: not now, nothing changed
+REFUSED_UNDONE = 429  # no capacity: the server did nothing
 MAX_RETRY_AFTER_S = 60.0
 
 
@@ -142,6 +146,21 @@ def _then(answer, use: Callable[[Any], Any]):
     return use(answer)
 
 
+class _Call:
+    """One call's method and URL, and what its retries may do: ``repeatable``, a 503
+    is retried (the call does no harm made twice); ``done_status``, that answer to a
+    retry means an earlier attempt did what was asked (410 to a repeated session end)."""
+
+    def __init__(self, method: str, url: str, headers: dict, repeatable: bool | None, done_status: int | None):
+        self.method, self.url, self.done_status = method, url, done_status
+        if repeatable is None:
+            repeatable = method in ("GET", "HEAD") or "Idempotency-Key" in headers
+        self.repeatable = repeatable
+
+    def __str__(self) -> str:
+        return f"{self.method} {self.url}"
+
+
 class _Settings:
     def __init__(self, base_url: str | None, api_key: str | None, timeout: float, max_retries: int) -> None:
         self.base_url = (base_url or os.environ.get("RLGATE_URL") or DEFAULT_URL).rstrip("/")
@@ -149,24 +168,31 @@ class _Settings:
         self.timeout, self.max_retries = timeout, max_retries
 
     def _request(self, method: str, path: str, api_key: str | None, headers: dict | None, timeout: float | None):
+        """The URL, the headers and the timeout of a call."""
         key = api_key if api_key is not None else self.api_key
         if key is None:
             raise AuthenticationError(401, "no API key given: pass api_key or set RLGATE_ADMIN_KEY")
         headers = {"Authorization": f"Bearer {key}", **(headers or {})}
         return f"{self.base_url}{path}", headers, self.timeout if timeout is None else timeout
 
-    def _outcome(self, method: str, url: str, attempt: int, answer=None, error: Exception | None = None):
+    def _outcome(self, call: _Call, attempt: int, answer=None, error: Exception | None = None):
         """The answer's JSON, an error to raise, or (None, wait) to try again."""
         if error is not None:
             # Only a connection never opened is safe to repeat: the request was not sent.
             if isinstance(error, httpx.ConnectError | httpx.ConnectTimeout) and attempt < self.max_retries:
                 return None, _wait_s(attempt, None)
-            return APIConnectionError(f"{method} {url}: unreachable ({error.__class__.__name__}: {error})"), None
-        if answer.status_code in RETRIED and attempt < self.max_retries:
+            return APIConnectionError(f"{call}: unreachable ({error.__class__.__name__}: {error})"), None
+        status = answer.status_code
+        if attempt < self.max_retries and (status == REFUSED_UNDONE or (status == 503 and call.repeatable)):
             return None, _wait_s(attempt, answer)
-        if answer.status_code >= 400:
+        if attempt > 0 and status == call.done_status:
+            return {"message": f"{_refusal(answer).message} (retried: an earlier attempt most likely did it)"}, None
+        if status >= 400:
             return _refusal(answer), None
-        return answer.json(), None
+        try:
+            return answer.json(), None
+        except ValueError:
+            return APIStatusError(status, f"{call}: {status} but not JSON: {answer.text[:200]!r}", answer), None
 
 
 class Client(_Settings):
@@ -196,16 +222,19 @@ class Client(_Settings):
         api_key: str | None = None,
         headers: dict | None = None,
         timeout: float | None = None,
+        repeatable: bool | None = None,
+        done_status: int | None = None,
         **kwargs,
     ) -> Any:
         url, headers, timeout = self._request(method, path, api_key, headers, timeout)
+        call = _Call(method, url, headers, repeatable, done_status)
         attempt = 0
         while True:
             try:
                 answer = self.http.request(method, url, headers=headers, timeout=timeout, **kwargs)
-                outcome, wait = self._outcome(method, url, attempt, answer=answer)
+                outcome, wait = self._outcome(call, attempt, answer=answer)
             except httpx.HTTPError as err:
-                outcome, wait = self._outcome(method, url, attempt, error=err)
+                outcome, wait = self._outcome(call, attempt, error=err)
             if wait is None:
                 if isinstance(outcome, RLGateError):
                     raise outcome
@@ -250,16 +279,19 @@ class AsyncClient(_Settings):
         api_key: str | None = None,
         headers: dict | None = None,
         timeout: float | None = None,
+        repeatable: bool | None = None,
+        done_status: int | None = None,
         **kwargs,
     ) -> Any:
         url, headers, timeout = self._request(method, path, api_key, headers, timeout)
+        call = _Call(method, url, headers, repeatable, done_status)
         attempt = 0
         while True:
             try:
                 answer = await self.http.request(method, url, headers=headers, timeout=timeout, **kwargs)
-                outcome, wait = self._outcome(method, url, attempt, answer=answer)
+                outcome, wait = self._outcome(call, attempt, answer=answer)
             except httpx.HTTPError as err:
-                outcome, wait = self._outcome(method, url, attempt, error=err)
+                outcome, wait = self._outcome(call, attempt, error=err)
             if wait is None:
                 if isinstance(outcome, RLGateError):
                     raise outcome
@@ -368,10 +400,11 @@ class _Job:
         return self.client.request(method, f"/api/rl/jobs/{self.job_id}{suffix}", api_key=self.api_key, **kwargs)
 
     def submit(self):
-        """Create the job; with an idempotency key a resubmission returns the same job. Returns its id."""
+        """Create the job; with an idempotency key a resubmission returns the same job. Returns its id.
+        Without one, this call's retries carry a key of their own: a retry never makes a second job."""
         if self.payload is None:
             raise RLGateError(0, "nothing to submit: this job was made from an id")
-        headers = {"Idempotency-Key": self.idempotency_key} if self.idempotency_key else {}
+        headers = {"Idempotency-Key": self.idempotency_key or f"rlgate-sdk-{uuid.uuid4().hex}"}
         answer = self.client.request("POST", "/api/rl/jobs", api_key=self.api_key, json=self.payload, headers=headers)
         return _then(answer, self._submitted)
 
@@ -460,7 +493,10 @@ class _Session:
         body: dict[str, Any] = {"task_id": task_id, "wait_s": wait_s}
         if group_size is not None:
             body["group_size"] = group_size
-        started = client.request("POST", "/rl/start_session", api_key=admin_key, json=body, timeout=wait_s + 60)
+        # repeatable: a start whose answer was lost leaves at worst an idle session the gateway ends
+        started = client.request(
+            "POST", "/rl/start_session", api_key=admin_key, json=body, timeout=wait_s + 60, repeatable=True
+        )
         return _then(started, lambda answer: cls(client, answer, task_id))
 
     @classmethod
@@ -487,10 +523,15 @@ class _Session:
             body["interaction_id"] = interaction_id
         if turn_rewards is not None:
             body["turn_rewards"] = turn_rewards
-        return self.client.request("POST", "/rl/set_reward", api_key=self.api_key, json=body)
+        return self.client.request("POST", "/rl/set_reward", api_key=self.api_key, json=body, repeatable=True)
 
     def end(self, failed: bool = False):
-        return self.client.request("POST", "/rl/end_session", api_key=self.api_key, json={"failed": failed})
+        """End the session (saved for training). Retried after a 503; a retry answered 410
+        (ended) counts as done: the attempt that got the 503 had ended it."""
+        body = {"failed": failed}
+        return self.client.request(
+            "POST", "/rl/end_session", api_key=self.api_key, json=body, repeatable=True, done_status=410
+        )
 
 
 class Session(_Session):

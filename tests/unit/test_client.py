@@ -20,8 +20,9 @@ ADMIN = "admin-key-for-the-sdk-tests"
 
 def fake_gateway() -> tuple[FastAPI, dict]:
     """Job and session routes with just enough behaviour; ``seen`` records each request."""
-    app, seen = FastAPI(), {"requests": [], "ports": [], "busy": 0}
+    app, seen = FastAPI(), {"requests": [], "ports": [], "busy": 0, "lose_answers": 0, "ended": False}
     jobs: dict[str, int] = {}
+    keyed: dict[str, str] = {}  # Idempotency-Key -> job id
 
     def refuse(status: int, message: str, retry_after: str | None = None) -> JSONResponse:
         headers = {"Retry-After": retry_after} if retry_after is not None else None
@@ -41,9 +42,17 @@ def fake_gateway() -> tuple[FastAPI, dict]:
         body = await request.json()
         if body["data"]["config"].get("training", {}).get("batch_size") == 7:
             return refuse(422, "training.batch_size: not a multiple of group_size")
-        job_id = request.headers.get("idempotency-key") or f"job-{len(jobs)}"
+        key = request.headers.get("idempotency-key") or f"unkeyed-{len(jobs)}"
+        job_id = keyed.setdefault(key, f"job-{len(jobs)}")
         jobs.setdefault(job_id, 0)
-        return {"job_id": job_id, "status": "queued", "api_key": "job-key"}
+        return lost_answer() or {"job_id": job_id, "status": "queued", "api_key": "job-key"}
+
+    def lost_answer() -> JSONResponse | None:
+        """The work is done, and the answer is a 503 (as when an actor dies after it)."""
+        if seen["lose_answers"] > 0:
+            seen["lose_answers"] -= 1
+            return refuse(503, "session service unavailable: ActorDiedError; retry", retry_after="0")
+        return None
 
     @app.get("/api/rl/jobs/{job_id}")
     async def status(job_id: str, request: Request):
@@ -73,7 +82,14 @@ def fake_gateway() -> tuple[FastAPI, dict]:
 
     @app.post("/rl/end_session")
     async def end(request: Request):
-        return {"message": "ended", "interactions": 1}
+        if seen["ended"]:
+            return refuse(410, "this session has ended; start a new one with /rl/start_session")
+        seen["ended"] = True
+        return lost_answer() or {"message": "ended", "interaction_count": 1}
+
+    @app.post("/jobs/job-0/cancel")
+    async def cancel():
+        return lost_answer() or {"status": "cancelled"}
 
     @app.get("/down")
     async def down():
@@ -100,7 +116,7 @@ def test_a_job_is_submitted_polled_and_read_over_one_connection(gateway, config)
     url, seen = gateway
     with sdk.Client(url, ADMIN) as client:
         job = sdk.RLJob.from_config(config, client=client, task_app_url="http://127.0.0.1:9", idempotency_key="k1")
-        assert job.submit() == "k1" and job.job_api_key == "job-key"
+        assert job.submit() == "job-0" and job.job_api_key == "job-key"
         statuses = []
         final = job.poll_until_complete(timeout=60, interval=0.01, on_status=lambda s: statuses.append(s["status"]))
         assert final["status"] == "succeeded" and statuses == ["running", "running", "succeeded"]
@@ -145,6 +161,36 @@ def test_429_and_503_are_retried_as_the_server_says_then_raised(gateway):
     with pytest.raises(sdk.RateLimitError):
         seen["busy"] = 0
         sdk.Session.start(url, ADMIN, task_id="t", client=sdk.Client(url, ADMIN, max_retries=1))
+
+
+def test_a_503_is_retried_only_where_making_the_call_twice_does_no_harm(gateway, config):
+    url, seen = gateway
+    with sdk.Client(url, ADMIN) as client:
+        seen["lose_answers"] = 1  # the first submission makes the job and its answer is lost
+        job = sdk.RLJob.from_config(config, client=client)
+        assert job.submit() == "job-0"  # the retry carried the same generated key: one job
+        submits = [r for r in seen["requests"] if r[:2] == ("POST", "/api/rl/jobs")]
+        assert len(submits) == 2 and job.get_status()["job_id"] == "job-0"
+        with pytest.raises(sdk.NotFoundError):
+            sdk.RLJob.from_job_id("job-1", client=client).get_status()
+        assert sdk.RLJob.from_config(config, client=client).submit() == "job-1"  # another call: another job
+
+        seen["lose_answers"] = 1  # a POST that is not known to be harmless twice: the 503 is the caller's
+        with pytest.raises(sdk.InternalServerError, match="503"):
+            client.request("POST", "/jobs/job-0/cancel")
+        assert sum(r[1] == "/jobs/job-0/cancel" for r in seen["requests"]) == 1
+
+        seen["lose_answers"] = 1  # the end was done; the retry's 410 says so
+        ended = sdk.Session.of_key("rlg-session", client=client).end()
+        assert "an earlier attempt most likely did it" in ended["message"]
+        with pytest.raises(sdk.GoneError, match="410"):  # a first attempt's 410 is the caller's to know
+            sdk.Session.of_key("rlg-session", client=client).end()
+
+
+def test_a_success_that_is_not_json_is_a_typed_error(gateway):
+    url, _ = gateway
+    with sdk.Client(url, ADMIN) as client, pytest.raises(sdk.APIStatusError, match="200 but not JSON"):
+        client.request("GET", "/docs")  # FastAPI's HTML page
 
 
 def test_the_wait_before_a_retry_is_the_servers_retry_after_else_a_growing_backoff():
