@@ -617,9 +617,14 @@ class RLGateConfig(_Section):
 
 def load_config(path: str | Path) -> RLGateConfig:
     """Parse and validate a TOML config file."""
+    return parse_config(read_toml(path), source=str(path))
+
+
+def read_toml(path: str | Path) -> dict:
+    """A TOML file's tree; a file that cannot be read as one is a ConfigError saying why."""
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
     except IsADirectoryError:
@@ -630,7 +635,6 @@ def load_config(path: str | Path) -> RLGateConfig:
         raise ConfigError(f"{path}: not a text file (a config is TOML in UTF-8)") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML: {err}") from None
-    return parse_config(data, source=str(path))
 
 
 def with_changes(config: RLGateConfig, changes: dict[str, dict], source: str = "config") -> RLGateConfig:

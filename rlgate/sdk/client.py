@@ -31,7 +31,6 @@ import inspect
 import os
 import random
 import time
-import tomllib
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -326,13 +325,13 @@ def job_payload(
     task_app_api_key: str | None = None,
 ) -> dict:
     """The job body for the TOML at ``config_path`` (synth-ai's shape or ours), in synth-ai's payload shape."""
+    from rlgate.config import ConfigError, read_toml
+
     path = Path(config_path)
     try:
-        config = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise RLGateError(0, f"{path}: no such config file") from None
-    except tomllib.TOMLDecodeError as err:
-        raise RLGateError(0, f"{path}: not valid TOML: {err}") from None
+        config = read_toml(path)
+    except ConfigError as err:
+        raise RLGateError(0, str(err)) from None
     for section, values in (overrides or {}).items():
         config.setdefault(section, {}).update(values)
     data: dict[str, Any] = {"config": config}
