@@ -12,10 +12,12 @@ merged model its checkpoints keep with ``[training.lora] save_merged``.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tomllib
 from pathlib import Path
 
+from rlgate.logfile import json_lines
 from rlgate.run import ADAPTER, MERGED, MODEL, checkpoint_states, checkpoints_dir
 
 
@@ -48,8 +50,9 @@ def model_card(run: Path, step: int, state: dict, adapter: bool = False) -> str:
         except ValueError:  # a config an older rlgate wrote: the card says less
             loss = config.get("algorithm", {}).get("loss") or loss
     metrics = {}
-    if (run / "metrics.jsonl").is_file():
-        lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if (run / "metrics.jsonl").is_file():  # a run still writing it may have a torn last line
+        with open(run / "metrics.jsonl", encoding="utf-8", errors="replace") as log:
+            lines = [entry for _, entry in json_lines(log, bad=lambda line: None)]
         metrics = next((m for m in reversed(lines) if m.get("step") == step), {})
     algorithm, training = config.get("algorithm", {}), config.get("training", {})
     library = "peft" if adapter else "transformers"
@@ -103,10 +106,19 @@ def export_model(run: str | Path, out: str | Path, step: int | None = None, merg
         raise ValueError(f"{folder} holds no {MODEL}/ (an unfinished checkpoint?); choose another --step")
     if out.is_file() or (out.exists() and any(out.iterdir())):
         raise ValueError(f"{out} is not an empty folder; export into a new one")
-    shutil.copytree(source, out, dirs_exist_ok=True)
-    if adapter:
-        state = {**state, "lora_rank": json.loads((source / "adapter_config.json").read_text()).get("r")}
-    (out / "README.md").write_text(model_card(run, chosen, state, adapter))
+    # Written beside it and renamed into place: an export that fails leaves no half folder a retry refuses.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        shutil.copytree(source, partial)
+        if adapter:
+            state = {**state, "lora_rank": json.loads((source / "adapter_config.json").read_text()).get("r")}
+        (partial / "README.md").write_text(model_card(run, chosen, state, adapter))
+        os.replace(partial, out)  # over an empty folder too
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     return out, chosen
 
 

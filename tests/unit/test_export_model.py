@@ -67,6 +67,26 @@ def test_a_step_is_chosen_by_number_and_a_missing_one_names_those_there_are(trai
     assert "has no checkpoints (trainer/step-*/); set [training] save_every" in capsys.readouterr().err
 
 
+def test_a_runs_torn_metrics_line_is_skipped_and_a_failed_export_leaves_nothing(trained, tmp_path, monkeypatch):
+    with open(trained / "metrics.jsonl", "a") as log:
+        log.write('{"step": 4, "reward_mean": 9')  # the driver was writing when we read
+    (tmp_path / "empty").mkdir()
+    out, _ = export_model(trained, tmp_path / "empty")  # an empty folder is taken
+    assert "| reward_mean | 0.4 |" in (out / "README.md").read_text()
+
+    from rlgate.cli import export_model as module
+
+    def failing(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(module, "model_card", failing)
+    with pytest.raises(OSError, match="No space left"):
+        export_model(trained, tmp_path / "again")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "runs"]  # no half folder, no leftovers
+    monkeypatch.undo()
+    assert export_model(trained, tmp_path / "again")[0].is_dir()  # so a retry goes through
+
+
 def test_a_push_the_hub_cannot_take_says_why_and_keeps_the_folder(trained, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import huggingface_hub.constants
