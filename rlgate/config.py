@@ -85,9 +85,21 @@ class RolloutConfig(_Section):
     )
     weight_sync: Literal["file", "ipc"] = Field(
         "file",
-        description="How new weights reach vLLM: a safetensors file in shared memory (CPU or GPU), "
-        "or CUDA IPC (GPU, trainer and engine on the same GPU).",
+        description="How a run's new weights reach vLLM: a safetensors file in shared memory (CPU or GPU). "
+        '"ipc" (CUDA IPC) needs the trainer on its engine\'s GPU, which a run does not do yet: it is refused '
+        "here; rlgate check-parity --weight-sync ipc checks that path on a GPU.",
     )
+
+    @field_validator("weight_sync")
+    @classmethod
+    def _file_for_runs(cls, value: str) -> str:
+        if value == "ipc":
+            raise ValueError(
+                "\"ipc\" pushes weights by CUDA IPC from a trainer on the engine's own GPU; a run's trainer has "
+                'GPUs of its own, and its pushes go by file through the PolicyStore: use "file" (the default). '
+                "`rlgate check-parity --weight-sync ipc` checks the IPC path on a GPU"
+            )
+        return value
 
     @model_validator(mode="after")
     def _shards_on_own_gpus(self) -> RolloutConfig:
