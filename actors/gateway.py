@@ -51,7 +51,7 @@ from rlgate.serving import api
 from rlgate.serving.auth import Auth, Slot, refuse_public_bind
 from rlgate.serving.clients import EngineClient, JobsClient, LocalEngine, Peers, SessionClient, StoreClient
 from rlgate.serving.errors import HTTPError
-from rlgate.serving.listener import Listener, bind
+from rlgate.serving.listener import Listener, bind, claim_port
 from rlgate.serving.middleware import InFlightLimit
 from rlgate.serving.owned import claim_journal
 from rlgate.serving.routes import build_app
@@ -162,7 +162,12 @@ class Gateway:
             rollout_limits = settings.rollout.max_ongoing_requests + settings.rollout.max_queued_requests
             direct = InFlightLimit(build_app(self.service, self.metrics), rollout_limits)
             port = gateway.direct_port + (self.slot.index if self.slot is not None else 0)
-            self.listener = Listener(direct, bind(gateway.host, port))
+            claim = claim_port(port, str(Path(gateway.run_dir).resolve()))
+            try:
+                self.listener = Listener(direct, bind(gateway.host, port), claim)
+            except BaseException:
+                os.close(claim)
+                raise
 
     async def _colocate(self, settings, model_path: str, initial_version: int, deployment: str, capacity, trajectories):
         """This replica's own engine (following the run's PolicyStore) and its own

@@ -9,14 +9,22 @@ and the dashboard's view of the app.
 
 The socket is bound with ``SO_REUSEPORT``: a replica replacing another on the
 same node binds while the old one drains, and several replicas on one node
-share the port (the kernel spreads connections over them).
+share the port (the kernel spreads connections over them). The kernel would
+as gladly spread them over two runs' gateways given the same port (each would
+answer the other's keys 401), so a port is claimed for one run first
+(:func:`claim_port`): a lock file per port that every replica serving it holds
+while it lives.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import os
 import socket
+import tempfile
+from pathlib import Path
 
 import uvicorn
 
@@ -26,6 +34,33 @@ class _Server(uvicorn.Server):
     def capture_signals(self):
         """The replica's process owns its signals (Ray handles them), not this server."""
         yield
+
+
+def claim_port(port: int, owner: str, folder: str | Path | None = None) -> int:
+    """Claim ``port`` on this node for ``owner`` (a run's folder): the replicas of one
+    run share it, another run's is refused with a RuntimeError naming the run
+    serving it. Returns a file descriptor whose lock is the claim; it lasts until
+    the descriptor is closed or the process ends."""
+    folder = Path(folder or Path(tempfile.gettempdir()) / f"rlgate-ports-{os.getuid()}")
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with open(folder / "claims.lock", "a") as guard:  # one claim at a time on this node
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        fd = os.open(folder / f"{port}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # held: by replicas of which run?
+            holder = os.pread(fd, 4096, 0).decode(errors="replace")
+            if holder != owner:
+                os.close(fd)
+                raise RuntimeError(
+                    f"port {port} ([gateway] direct_port) is served on this node by another run's gateway "
+                    f"({holder}); the kernel would share connections between the two: give this run another port"
+                ) from None
+        else:  # nobody's: ours
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, owner.encode(), 0)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # held while the replica lives
+        return fd
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -50,9 +85,9 @@ def bind(host: str, port: int) -> socket.socket:
 class Listener:
     """Serves ``app`` on a bound socket until :meth:`close`."""
 
-    def __init__(self, app, sock: socket.socket) -> None:
+    def __init__(self, app, sock: socket.socket, claim: int | None = None) -> None:
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=75)
-        self.server, self.sock = _Server(config), sock
+        self.server, self.sock, self.claim = _Server(config), sock, claim
         self.task = asyncio.create_task(self.server.serve(sockets=[sock]))
 
     @property
@@ -64,3 +99,5 @@ class Listener:
         with contextlib.suppress(asyncio.CancelledError):
             await self.task
         self.sock.close()
+        if self.claim is not None:
+            os.close(self.claim)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from rlgate.serving.listener import Listener, bind
+from rlgate.serving.listener import Listener, bind, claim_port
 from rlgate.serving.middleware import InFlightLimit
 from rlgate.serving.owned import OwnedSessions, claim_journal
 from rlgate.sessions.manager import hash_key
@@ -135,6 +135,27 @@ def test_a_port_taken_by_another_program_is_a_clear_error():
         port = taken.getsockname()[1]
         with pytest.raises(RuntimeError, match=rf"cannot listen on 127.0.0.1:{port} \(\[gateway\] direct_port\)"):
             bind("127.0.0.1", port)
+
+
+def test_a_port_is_shared_by_one_runs_replicas_and_refused_to_another_run(tmp_path):
+    import os
+
+    port = 8101
+    first = claim_port(port, "/runs/demo-1", tmp_path)
+    second = claim_port(port, "/runs/demo-1", tmp_path)  # its other replica, or its replacement
+    with pytest.raises(
+        RuntimeError, match=r"port 8101 .* served on this node by another run's gateway \(/runs/demo-1\)"
+    ):
+        claim_port(port, "/runs/lora-2", tmp_path)
+    assert claim_port(port + 1, "/runs/lora-2", tmp_path) >= 0  # ports are claimed one by one
+    os.close(first)
+    with pytest.raises(RuntimeError, match="another run's gateway"):  # one replica of demo-1 still serves it
+        claim_port(port, "/runs/lora-2", tmp_path)
+    os.close(second)
+    third = claim_port(port, "/runs/lora-2", tmp_path)  # demo-1 gone (a process that ends closes its claim)
+    with pytest.raises(RuntimeError, match=r"\(/runs/lora-2\)"):
+        claim_port(port, "/runs/demo-1", tmp_path)
+    os.close(third)
 
 
 async def test_beyond_its_in_flight_limit_the_listener_answers_503_at_once():
