@@ -92,3 +92,87 @@ async def test_a_request_vllm_refuses_its_sampling_for_counts_no_user_of_its_ada
     assert engine._lora_users == {1: 0}
     engine._llm = None
     await engine.shutdown()
+
+
+class _Gated:
+    """An engine whose pause and resume take until ``gate`` is set; ``changes`` lists them."""
+
+    @staticmethod
+    def make(tiny_path):
+        import asyncio
+
+        from rlgate.rollout.engines.base import Engine
+
+        class Gated(Engine):
+            def generate(self, prompt_ids, params, request_id=None, whole=False):
+                raise NotImplementedError
+
+            async def _load_weights(self, weights) -> int:
+                return 1
+
+            async def _set_paused(self, paused: bool) -> None:
+                self.changes.append(("start", paused))
+                await self.gate.wait()
+                self.changes.append(("done", paused))
+
+            def running_requests(self) -> int:
+                return 0
+
+        engine = Gated(tiny_path, 64)
+        engine.gate, engine.changes = asyncio.Event(), []
+        return engine
+
+
+async def test_a_second_pause_returns_only_once_the_engine_is_paused(tiny_path):
+    """A pause nested in one still stopping the engine (the HF engine waits for
+    its step in flight) used to return at once, before the engine had stopped."""
+    import asyncio
+
+    engine = _Gated.make(tiny_path)
+    first = asyncio.create_task(engine.pause())
+    await asyncio.sleep(0)
+    second = asyncio.create_task(engine.pause())
+    await asyncio.sleep(0.01)
+    assert not second.done() and engine.changes == [("start", True)]
+    engine.gate.set()
+    await asyncio.gather(first, second)
+    assert engine.changes == [("start", True), ("done", True)] and (await engine.health()).paused
+    await engine.resume()
+    assert engine.changes[-1] == ("done", True)  # one pause is still held
+    await engine.resume()
+    assert engine.changes[-2:] == [("start", False), ("done", False)] and not (await engine.health()).paused
+
+
+async def test_a_cancelled_pause_does_not_count_and_a_cancelled_resume_still_resumes(tiny_path):
+    """An update cancelled inside its pause (Serve cancels a handler whose caller
+    left) left the pause counted with nobody to resume it: the engine stayed
+    stopped. Now the cancelled pause is undone, and a cancelled resume finishes."""
+    import asyncio
+
+    engine = _Gated.make(tiny_path)
+    pausing = asyncio.create_task(engine.update_weights({"w": 1}, 1))
+    await asyncio.sleep(0.01)
+    pausing.cancel()
+    engine.gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await pausing
+    for _ in range(100):
+        if engine.changes[-1:] == [("done", False)]:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.changes == [("start", True), ("done", True), ("start", False), ("done", False)]
+    assert engine._pause_depth == 0 and engine.version == 0  # the update did not happen
+
+    await engine.pause()
+    engine.gate.clear()
+    resuming = asyncio.create_task(engine.resume())
+    await asyncio.sleep(0.01)
+    resuming.cancel()
+    engine.gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await resuming
+    for _ in range(100):
+        if not engine._stopped:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.changes[-1] == ("done", False) and engine._pause_depth == 0

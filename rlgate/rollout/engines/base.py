@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rlgate.background import keep, to_its_end
+
 if TYPE_CHECKING:
     import torch
 
@@ -235,6 +237,9 @@ class Engine(abc.ABC):
 
     Pausing nests: the engine runs again when every :meth:`pause` has been
     matched by a :meth:`resume`. Requests that arrive while paused wait.
+    :meth:`pause` returns once the engine is paused, also when another pause
+    is still stopping it; a pause that fails or whose caller is cancelled does
+    not count (nothing will resume it), and a cancelled resume still resumes.
     """
 
     name: str = "engine"
@@ -245,7 +250,9 @@ class Engine(abc.ABC):
         self.max_model_len = max_model_len
         self.vocab_size = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
         self.version = initial_version
-        self._pause_depth = 0
+        self._pause_depth = 0  # pauses not yet resumed
+        self._stopped = False  # what the engine's scheduling is: changed only by _settle, under its lock
+        self._pause_lock = asyncio.Lock()
         self._update_lock = asyncio.Lock()
 
     @abc.abstractmethod
@@ -299,15 +306,26 @@ class Engine(abc.ABC):
 
     async def pause(self) -> None:
         self._pause_depth += 1
-        if self._pause_depth == 1:
-            await self._set_paused(True)
+        try:
+            await to_its_end(self._settle(), "an engine pause")
+        except BaseException:  # it does not count: let the engine run again if no other pause holds it
+            self._pause_depth -= 1
+            keep(self._settle(), "an engine resume after a failed pause")
+            raise
 
     async def resume(self) -> None:
         if self._pause_depth == 0:
             raise RuntimeError("resume() without a matching pause()")
-        self._pause_depth -= 1
-        if self._pause_depth == 0:
-            await self._set_paused(False)
+        self._pause_depth -= 1  # counted at once: a resume cancelled below still resumes
+        await to_its_end(self._settle(), "an engine resume")
+
+    async def _settle(self) -> None:
+        """Bring the engine's scheduling to what the pauses held say, one change at a time."""
+        async with self._pause_lock:
+            stop = self._pause_depth > 0
+            if stop != self._stopped:
+                await self._set_paused(stop)
+                self._stopped = stop
 
     @asynccontextmanager
     async def paused(self):
