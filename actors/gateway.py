@@ -173,7 +173,7 @@ class Gateway:
         """This replica's own engine (following the run's PolicyStore) and its own
         sessions (journaled by slot): (engine client, sessions, peers)."""
         gateway, replica = settings.gateway, serve.get_replica_context()
-        self.slot, peers = Slot(replica.rank.rank, settings.rollout.replicas), None
+        self.slot, peers = Slot.of_rank(replica.rank.rank, settings.rollout.replicas), None
         if self.slot.replicas > 1:
             peers = Peers(partial(serve.get_deployment_handle, "Gateway", app_name=replica.app_name), self.slot)
         self.engine = run_engine(settings, model_path, initial_version)

@@ -75,6 +75,19 @@ class Slot:
     index: int
     replicas: int
 
+    @classmethod
+    def of_rank(cls, rank: int, replicas: int) -> Slot:
+        """The slot of the replica Serve ranked ``rank``: the same number, which a replacement
+        inherits with the sessions' journal. Serve ranks a replacement past the end while the
+        replica it replaces is still stopping (it keeps its rank until stopped): that one is
+        refused, and Serve starts it again, by then on the freed rank."""
+        if not 0 <= rank < replicas:
+            raise RuntimeError(
+                f"this gateway replica has Serve rank {rank}, past its {replicas} slots: the replica it "
+                "replaces still holds its slot while it stops; Serve will start this one again"
+            )
+        return cls(rank, replicas)
+
     def owner(self, key: str) -> int | None:
         """The other replica's slot that owns ``key``; None for this one's keys and
         keys that name no replica (those are simply unknown here)."""

@@ -70,6 +70,15 @@ def test_a_replica_serves_its_own_keys_and_answers_421_for_another_replicas():
     assert slot.owner(new_session_key(1)) == 1 and slot.owner(new_session_key(0)) is None
 
 
+def test_a_replacement_ranked_past_the_slots_is_refused_until_its_slot_is_free():
+    """Serve ranks a replacement past the end while the replica it replaces still
+    stops: taking that rank as a slot would open a new journal and leave the dead
+    replica's sessions unreachable (their keys name its slot)."""
+    assert Slot.of_rank(1, 2) == Slot(1, 2)
+    with pytest.raises(RuntimeError, match="Serve rank 2, past its 2 slots: the replica it replaces still holds"):
+        Slot.of_rank(2, 2)
+
+
 def replica(slot: int):
     return SimpleNamespace(replica_metadata={"slot": slot}, name=f"r{slot}")
 
