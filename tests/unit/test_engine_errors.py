@@ -94,6 +94,41 @@ async def test_a_request_vllm_refuses_its_sampling_for_counts_no_user_of_its_ada
     await engine.shutdown()
 
 
+async def test_an_adapter_vllm_fails_to_unload_is_kept_and_unloaded_next_time(tiny_path, tmp_path):
+    """An unload that vLLM refused forgot the adapter (still loaded, never retried),
+    skipped the adapters after it, and failed the finished request that triggered it."""
+    from types import SimpleNamespace
+
+    from rlgate.rollout.engines.vllm import VLLMEngine
+
+    class Flaky:  # vLLM's engine: the first removal fails
+        def __init__(self) -> None:
+            self.removed, self.failures = [], 1
+
+        async def remove_lora(self, lora_id) -> bool:
+            if self.failures:
+                self.failures -= 1
+                raise RuntimeError("the engine core is busy")
+            self.removed.append(lora_id)
+            return True
+
+    engine = VLLMEngine(tiny_path, lora_rank=4)
+    engine._llm, engine._lora_dir = Flaky(), tmp_path
+    for lora_id in (1, 2, 3):
+        (tmp_path / f"v{lora_id}").mkdir()
+        engine._loras[lora_id] = SimpleNamespace(
+            lora_int_id=lora_id, lora_name=f"v{lora_id}", lora_path=str(tmp_path / f"v{lora_id}")
+        )
+        engine._lora_users[lora_id] = 0
+    engine._newest[None] = engine._loras[3]
+    await engine._unload_unused()  # 1 fails (kept), 2 goes
+    assert engine._llm.removed == [2] and sorted(engine._loras) == [1, 3] and (tmp_path / "v1").is_dir()
+    await engine._unload_unused()
+    assert engine._llm.removed == [2, 1] and sorted(engine._loras) == [3] and not (tmp_path / "v1").exists()
+    engine._llm = None
+    await engine.shutdown()
+
+
 class _Gated:
     """An engine whose pause and resume take until ``gate`` is set; ``changes`` lists them."""
 

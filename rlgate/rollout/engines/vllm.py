@@ -427,9 +427,16 @@ class VLLMEngine(Engine):
             for lora_id in list(self._lora_users):
                 if self._lora_users.get(lora_id) != 0 or lora_id in newest:
                     continue
+                request = self._loras.pop(lora_id)
                 del self._lora_users[lora_id]
-                folder = Path(self._loras.pop(lora_id).lora_path)
-                await self.llm.remove_lora(lora_id)
+                try:
+                    await self.llm.remove_lora(lora_id)
+                except Exception as err:  # kept and tried again next time; the caller (a finished
+                    # request, an update) has done its own work and does not fail for this
+                    self._loras[lora_id], self._lora_users[lora_id] = request, 0
+                    logger.warning("vLLM could not unload the adapter %s: %s", request.lora_name, err)
+                    continue
+                folder = Path(request.lora_path)
                 if folder.parent == self._lora_dir:  # a copy of ours, not the folder it started from
                     shutil.rmtree(folder, ignore_errors=True)
 
