@@ -45,6 +45,15 @@ class TrainChannel:
             self.results.setdefault(index, {})[rank] = result
             self._changed.notify_all()
 
+    async def done_at_checkpoint(self, index: int, rank: int, result: dict) -> None:
+        """A restarted worker's word for command ``index``, which its checkpoint covers:
+        taken only while the driver still waits for it (the worker that ran it died after
+        saving the checkpoint, before its ``done``), never over a result already in."""
+        async with self._changed:
+            if index in self.commands and rank not in self.results.get(index, {}):
+                self.results.setdefault(index, {})[rank] = result
+                self._changed.notify_all()
+
     async def forget_below(self, index: int) -> None:
         """Drop commands (and their batches) and results before ``index``: a
         checkpoint covers them, and a restarted worker resumes after it."""

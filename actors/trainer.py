@@ -87,14 +87,15 @@ def train_worker(setup: dict) -> None:
     tokenizer = AutoTokenizer.from_pretrained(setup["model_path"])
     pad_id = tokenizer.pad_token_id or 0
 
-    index, optimizer_state, adapting = 0, None, settings.training.lora
+    index, optimizer_state, adapting, covered = 0, None, settings.training.lora, None
     with _resume_from(ray.train.get_checkpoint(), ray.get(channel.first_held.remote()), setup) as folder:
         if folder is None:
             model = AutoModelForCausalLM.from_pretrained(setup["model_path"], dtype=torch.float32)
             if adapting is not None:
                 model = lora.attach(model, adapting, settings.model.adapter)
         else:  # a restart after a failure, or --resume
-            index = json.loads((folder / STATE_FILE).read_text())["next_command"]
+            state = json.loads((folder / STATE_FILE).read_text())
+            index, covered = state["next_command"], state.get("metrics")
             if adapting is not None:  # the base model and the checkpoint's adapter
                 base = AutoModelForCausalLM.from_pretrained(setup["model_path"], dtype=torch.float32)
                 model = lora.attach(base, adapting, folder / ADAPTER)
@@ -121,6 +122,8 @@ def train_worker(setup: dict) -> None:
         strategy.load_optimizer_state(prepared, optimizer, optimizer_state)
     trainer = PolicyTrainer(model, optimizer, step_settings(settings), reference)
 
+    if covered is not None:  # the driver may still wait for the step this checkpoint ended with
+        ray.get(channel.done_at_checkpoint.remote(index - 1, rank, covered))
     republisher = Republisher(policy) if rank == 0 else None
     while (command := ray.get(channel.fetch.remote(index)))["op"] != "stop":
         records, advantages = ray.get(command["batch"][0])
@@ -151,7 +154,7 @@ def train_worker(setup: dict) -> None:
             optimizer_state = strategy.optimizer_state(prepared, optimizer)
             save = (plain, full, tokenizer, optimizer_state, index + 1, command.get("driver_state"))
         merged = setup["model_path"] if adapting is not None and adapting.save_merged else None
-        _report(metrics, new_version, rank, save, merged)
+        _report(metrics, new_version, rank, save, merged)  # a worker dying from here on: see done_at_checkpoint
         ray.get(channel.done.remote(index, rank, metrics))
         index += 1
 
@@ -214,8 +217,9 @@ def _report(metrics: dict, version: int, rank: int, save: tuple | None, merged: 
                 model.save_pretrained(Path(folder) / MODEL, safe_serialization=True, state_dict=weights)
                 tokenizer.save_pretrained(Path(folder) / MODEL)
             torch.save(optimizer_state, Path(folder) / "optimizer.pt")
-            state = {"next_command": next_command, "version": version, "driver": driver_state}
-            (Path(folder) / STATE_FILE).write_text(json.dumps(state))
+            # the step's metrics too: a worker dying before telling the driver tells it after its restart
+            state = {"next_command": next_command, "version": version, "driver": driver_state, "metrics": metrics}
+            (Path(folder) / STATE_FILE).write_text(json.dumps(state, default=float))
             checkpoint = Checkpoint.from_directory(folder)
         step = (driver_state or {}).get("step", version)
         ray.train.report(
