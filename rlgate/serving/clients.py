@@ -17,6 +17,7 @@ from dataclasses import asdict
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
+from rlgate.background import to_its_end
 from rlgate.rollout.engines import Engine, RequestLog, SamplingParams, collect
 from rlgate.rollout.engines.base import EngineInputError
 from rlgate.serving import api
@@ -54,7 +55,14 @@ class SessionClient:
         return await settle(call)
 
     async def begin(self, key_hash: str, candidate_keys: list[str]) -> tuple[str, Parent | None]:
-        return await settle(self.store.begin.remote(key_hash, candidate_keys))
+        """The request's session (it is in flight there until recorded or abandoned). A caller
+        that hangs up meanwhile never learns which session counted it: it is abandoned here."""
+
+        def left(begun: asyncio.Future) -> None:
+            if not begun.cancelled() and begun.exception() is None:
+                self.abandon(begun.result()[0])
+
+        return await to_its_end(settle(self.store.begin.remote(key_hash, candidate_keys)), "a request's begin", left)
 
     async def record(self, session_id: str, interactions: list[Interaction]) -> None:
         await settle(self.store.record.remote(session_id, interactions))

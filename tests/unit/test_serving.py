@@ -317,3 +317,29 @@ async def test_a_refresh_forwarded_to_a_replica_that_is_not_the_keys_owner_is_42
     with pytest.raises(HTTPError) as refused:
         await service.start_session(body, "http://gateway", f"Bearer {ADMIN}", forwarded=True)
     assert refused.value.status == 421 and peers.forwarded == [2]
+
+
+async def test_a_request_whose_caller_leaves_while_its_session_counts_it_is_not_left_in_flight():
+    """Split shape: the SessionStore counts a request in flight at ``begin``; a caller
+    that hung up during that call never learned which session to settle, and the
+    session looked busy (never idle-ended) for 15 minutes."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from rlgate.serving.clients import SessionClient
+
+    answer, abandoned = asyncio.get_running_loop().create_future(), []
+    store = SimpleNamespace(
+        begin=SimpleNamespace(remote=lambda key_hash, candidates: answer),
+        abandon=SimpleNamespace(remote=abandoned.append),
+    )
+    begun = asyncio.create_task(SessionClient(store).begin("hash", []))
+    await asyncio.sleep(0)
+    begun.cancel()
+    await asyncio.sleep(0)
+    answer.set_result(("session-1", None))  # the store counted it after the caller left
+    with pytest.raises(asyncio.CancelledError):
+        await begun
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert abandoned == ["session-1"]
