@@ -193,6 +193,7 @@ class PolicyFollower:
         self._task = asyncio.create_task(self._follow())
 
     async def stop(self) -> None:
-        if self._task is not None:
+        if self._task is not None:  # awaited: an update under way is over (undone) before the engine goes
             self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
         await self.store.forget.remote(self.replica)

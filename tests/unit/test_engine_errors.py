@@ -179,13 +179,13 @@ async def test_a_second_pause_returns_only_once_the_engine_is_paused(tiny_path):
 
 
 async def test_a_cancelled_pause_does_not_count_and_a_cancelled_resume_still_resumes(tiny_path):
-    """An update cancelled inside its pause (Serve cancels a handler whose caller
-    left) left the pause counted with nobody to resume it: the engine stayed
-    stopped. Now the cancelled pause is undone, and a cancelled resume finishes."""
+    """A pause cancelled while the engine stops (Serve cancels a handler whose caller
+    left) stayed counted with nobody to resume it: the engine stayed stopped. Now
+    the cancelled pause is undone, and a cancelled resume finishes."""
     import asyncio
 
     engine = _Gated.make(tiny_path)
-    pausing = asyncio.create_task(engine.update_weights({"w": 1}, 1))
+    pausing = asyncio.create_task(engine.pause())
     await asyncio.sleep(0.01)
     pausing.cancel()
     engine.gate.set()
@@ -196,7 +196,7 @@ async def test_a_cancelled_pause_does_not_count_and_a_cancelled_resume_still_res
             break
         await asyncio.sleep(0.01)
     assert engine.changes == [("start", True), ("done", True), ("start", False), ("done", False)]
-    assert engine._pause_depth == 0 and engine.version == 0  # the update did not happen
+    assert engine._pause_depth == 0
 
     await engine.pause()
     engine.gate.clear()
@@ -211,3 +211,22 @@ async def test_a_cancelled_pause_does_not_count_and_a_cancelled_resume_still_res
             break
         await asyncio.sleep(0.01)
     assert engine.changes[-1] == ("done", False) and engine._pause_depth == 0
+
+
+async def test_a_weight_update_whose_caller_is_cancelled_still_finishes_with_its_version(tiny_path):
+    """Cut short mid-load (a follower stopped, a handler whose caller left), an update
+    left the engine on the new weights labelled with the old version."""
+    import asyncio
+
+    engine = _Gated.make(tiny_path)
+    updating = asyncio.create_task(engine.update_weights({"w": 1}, 1))
+    await asyncio.sleep(0.01)
+    updating.cancel()
+    engine.gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await updating
+    for _ in range(100):
+        if engine.version == 1 and not engine._stopped:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.version == 1 and engine._pause_depth == 0 and engine.changes[-1] == ("done", False)

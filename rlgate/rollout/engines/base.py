@@ -344,7 +344,12 @@ class Engine(abc.ABC):
         a safetensors file holding one. Runs pause → load → reset prefix cache →
         resume; in-flight requests continue on the new weights afterwards, their
         KV cache computed again on them (each later token is exactly the new version's).
+        It runs to its end if the caller is cancelled: cut short mid-load, the engine
+        would serve the new weights under the old version.
         """
+        return await to_its_end(self._update(weights, version), f"the weight update to version {version}")
+
+    async def _update(self, weights: Mapping[str, torch.Tensor] | str | Path, version: int) -> WeightUpdateReport:
         loop = asyncio.get_running_loop()
         async with self._update_lock:
             # checked under the lock: two updates waiting for it apply in turn, never the older last

@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlgate.background import to_its_end
 from rlgate.rollout.engines import reaper
 from rlgate.rollout.engines.base import (
     Engine,
@@ -342,13 +343,17 @@ class VLLMEngine(Engine):
         """A full state dict (or its file) as in :class:`Engine`; on an engine started
         for LoRA, an :class:`rlgate.rollout.lora.Adapter`, served from now on with no
         pause (requests in flight finish on the adapter they started with), to
-        ``tenant``'s requests when given (a pool's run), else to the engine's own."""
+        ``tenant``'s requests when given (a pool's run), else to the engine's own.
+        Either runs to its end if the caller is cancelled."""
+        return await to_its_end(self._update(weights, version, tenant), f"the weight update to version {version}")
+
+    async def _update(self, weights, version: int, tenant: str | None = None) -> WeightUpdateReport:
         from rlgate.rollout.lora import Adapter
 
         if not isinstance(weights, Adapter):
             if self.lora_rank is not None:
                 raise ValueError("this engine serves LoRA adapters: push an Adapter, not full weights")
-            return await super().update_weights(weights, version)
+            return await super()._update(weights, version)
         if self.lora_rank is None:
             raise ValueError("this engine was not started for LoRA adapters; set [training.lora]")
         if weights.rank > self.lora_rank:
