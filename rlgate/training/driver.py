@@ -99,6 +99,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, interrupted)  # after ray.init, which sets its own: `ray job stop` acts as Ctrl-C
     gpus = trainer_gpus(config)
     wait_until_placeable(config, gpus, run_dir)
+    end_earlier_application(app_name(config.gateway.run_name, config.gateway.route_prefix))
     if not args.resume:
         forget_earlier_run(config.gateway.run_name, run_dir)
     else:
@@ -595,6 +596,20 @@ def resume_point(run_dir: Path, resume: bool) -> ResumePoint:
             driver["step"], state["version"], driver["buffer"], None, state["next_command"], folder / ADAPTER
         )
     return ResumePoint(driver["step"], state["version"], driver["buffer"], folder / MODEL, state["next_command"])
+
+
+def end_earlier_application(name: str) -> None:
+    """A run of this name whose driver died (killed, its node lost) left its Serve
+    application up. Its replicas would go on saving sessions into the run's
+    trajectories after this run's backlog mark, sampled by weights this run does
+    not continue from: it is deleted before anything else."""
+    from ray.serve.context import _get_global_client
+
+    if _get_global_client(raise_if_no_controller_running=False) is None:
+        return
+    if name in serve.status().applications:
+        print(f"rlgate: an earlier run's application {name} is still deployed; deleting it first", flush=True)
+        serve.delete(name)
 
 
 def forget_earlier_run(run: str, run_dir: Path) -> None:

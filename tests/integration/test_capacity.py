@@ -588,6 +588,27 @@ async def test_a_holders_calls_wait_until_its_start_count_is_applied():
     assert order == [("reconcile", 0), ("acquire",), ("acquire",)]
 
 
+def test_a_run_deletes_the_application_a_dead_driver_of_its_name_left_deployed(ray_session, capsys):
+    """A driver killed outright leaves its application up; its replicas would go on
+    saving sessions of weights the next run (resumed or fresh) does not continue from."""
+    from ray import serve
+
+    from rlgate.run import app_name
+    from rlgate.training.driver import end_earlier_application
+
+    @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+    class Left:
+        def __call__(self, request) -> str:
+            return "still here"
+
+    name = app_name(f"dead-{uuid.uuid4().hex[:8]}", "/left")
+    serve.run(Left.bind(), name=name, route_prefix="/left")
+    end_earlier_application(name)
+    assert name not in serve.status().applications and "still deployed; deleting it first" in capsys.readouterr().out
+    end_earlier_application(name)  # none left: nothing happens
+    assert "deleting" not in capsys.readouterr().out
+
+
 def test_a_resume_on_a_cluster_that_kept_running_starts_at_its_checkpoints_version(tmp_path, ray_session):
     """A run stopped between checkpoints (at version 15, its checkpoint at 10) on a
     cluster that kept running leaves its CapacityActor and PolicyStore at 15; a
