@@ -47,6 +47,10 @@ class TrainBatch:
     def rows(self, index: slice) -> TrainBatch:
         return TrainBatch(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
 
+    def to(self, device: torch.device) -> TrainBatch:
+        """The batch on ``device`` (collated on the CPU; the model may be on a GPU)."""
+        return TrainBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
 
 def shard(rows: list, rank: int, world: int) -> list:
     """Rank ``rank``'s share of ``rows``, padded so every rank gets as many rows
@@ -146,7 +150,8 @@ class PolicyTrainer:
         e.g. by the world size to undo data-parallel gradient averaging.
         """
         s = self.settings
-        device = next(self.model.parameters()).device.type
+        on = next(self.model.parameters()).device
+        batch, device = batch.to(on), on.type
         autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=s.bf16)
         sampled = batch.versions >= 0
         stale = sampled & (batch.versions < version - s.max_staleness) & (batch.loss_mask > 0)

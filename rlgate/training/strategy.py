@@ -65,8 +65,15 @@ def prepare(
 
 
 def shard_reference(model: torch.nn.Module, strategy: str, device: str | None = None) -> torch.nn.Module:
-    """A frozen reference model placed like the policy (sharded under FSDP)."""
-    return _sharded(model, device) if strategy == "fsdp" else model
+    """A frozen reference model placed like the policy: sharded under FSDP, else on the
+    policy's device (default: Ray Train's)."""
+    if strategy == "fsdp":
+        return _sharded(model, device)
+    if device is None:
+        import ray.train.torch
+
+        device = ray.train.torch.get_device()
+    return model.to(device)
 
 
 def _sharded(model: torch.nn.Module, device: str | None) -> torch.nn.Module:

@@ -92,6 +92,16 @@ def test_a_step_moves_probability_towards_positive_advantages(sampled, reference
     assert metrics["trained_tokens"] == float(sampled.loss_mask.sum())
 
 
+@pytest.mark.gpu
+def test_a_step_on_a_gpu_model_takes_the_batch_collated_on_the_cpu(sampled, reference_model):
+    """The batch is collated on the CPU; a worker's model is on its GPU (Ray Train
+    moves it, and wraps it in nothing with one worker): the step moves the batch."""
+    on_cpu = make_trainer(reference_model)
+    on_gpu = make_trainer(copy.deepcopy(reference_model).cuda())
+    cpu, gpu = on_cpu.step(sampled, version=0), on_gpu.step(sampled, version=0)
+    assert gpu["trained_tokens"] == cpu["trained_tokens"] and abs(gpu["loss"] - cpu["loss"]) < 1e-3
+
+
 def test_a_bf16_autocast_step_learns_the_same_way_at_bf16_precision(sampled, reference_model):
     """[training] bf16: the forward and backward run in bfloat16, the weights stay float32."""
     trainer = make_trainer(reference_model, loss=LossConfig(aggregation="token_mean"), bf16=True)
