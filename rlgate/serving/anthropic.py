@@ -61,6 +61,15 @@ class ToolUseIn(_Block):
     id: str = Field(min_length=1)
     name: str = Field(min_length=1)
     input: dict
+    # as the SDK sends back a reply's ToolUseBlock: who called it (the model, directly) and its toolset
+    caller: dict | None = None
+    toolset_name: str | None = None
+
+    @model_validator(mode="after")
+    def _called_directly(self) -> ToolUseIn:
+        if self.caller is not None and self.caller.get("type") != "direct":
+            raise ValueError(f"tool_use caller {self.caller.get('type')!r} is not supported (server tools); 'direct'")
+        return self
 
 
 class ToolResultIn(_Block):
@@ -68,6 +77,7 @@ class ToolResultIn(_Block):
     tool_use_id: str = Field(min_length=1)
     content: str | list[TextIn] = ""
     is_error: bool = False
+    toolset_name: str | None = None
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(block.text for block in self.content)
@@ -94,12 +104,14 @@ class MessageIn(BaseModel):
 
 
 class ToolIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # other fields: a 400 naming them (to_chat)
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
     input_schema: dict
     type: Literal["custom"] | None = None
     cache_control: dict | None = None
+    strict: bool | None = Field(None, description="Accepted as chat's function strict is.")
+    eager_input_streaming: bool | None = Field(None, description="Accepted; a streamed call's input comes whole.")
 
 
 class ToolChoiceIn(BaseModel):
@@ -169,7 +181,17 @@ def to_chat(request: MessagesRequest) -> api.ChatCompletionRequest:
         raise HTTPError(400, f"unsupported field '{unknown[0]}'", param=unknown[0])
     if request.thinking is not None and request.thinking.get("type") != "disabled":
         raise HTTPError(400, "extended 'thinking' is not supported here; omit it", param="thinking")
+    for i, tool in enumerate(request.tools or []):
+        for name in tool.model_extra or {}:
+            raise HTTPError(400, f"tools.{i}: unsupported field '{name}'", param=f"tools.{i}.{name}")
     tool_choice, parallel = _tool_choice(request.tool_choice)
+    if parallel is False and tool_choice not in ("required",) and not isinstance(tool_choice, dict):
+        raise HTTPError(
+            400,
+            "tool_choice.disable_parallel_tool_use is honoured with tool_choice 'any' or 'tool' (one call, "
+            "forced); with 'auto' the model may make several calls and they are all recorded: omit it",
+            param="tool_choice.disable_parallel_tool_use",
+        )
     fields: dict[str, Any] = {
         "model": request.model,
         "messages": _messages(request),

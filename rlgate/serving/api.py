@@ -20,6 +20,17 @@ class _Request(BaseModel):
     # Unknown fields are kept so they can be reported by name (400), not dropped.
     model_config = ConfigDict(extra="allow")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data):
+        """A parameter sent as null takes its default, as OpenAI's and Anthropic's APIs
+        do: their SDKs send an optional parameter given as None that way (wrappers that
+        pass every parameter through do so all the time)."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
+        return data
+
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -73,9 +84,22 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = Field(None, description="vLLM's name for reasoning_content.")
+    # What the openai SDK sends back when a reply's message object is appended to the
+    # conversation as it is (the tool loop): taken when empty; a refusal is the reply's text.
+    refusal: str | None = None
+    annotations: list | None = None
+    audio: dict | None = None
+    function_call: dict | None = None
+    parsed: Any = None  # chat.completions.parse/stream's: the content, parsed (the content is what counts)
 
     @model_validator(mode="after")
     def _check(self) -> ChatMessage:
+        if self.audio is not None:
+            raise ValueError("audio messages are not supported; send the reply's text")
+        if self.function_call is not None:
+            raise ValueError("function_call (the deprecated form) is not supported; send tool_calls")
+        if self.refusal is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry a refusal")
         if self.role != "assistant" and self.content is None:
             raise ValueError(f"a {self.role} message needs content")
         if self.tool_calls and self.role != "assistant":
@@ -90,6 +114,8 @@ class ChatMessage(BaseModel):
         """The message as chat templates expect it: text content, developer as
         system; ``reasoning``: with its ``reasoning_content`` (else dropped)."""
         text = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        if text is None and self.refusal is not None:  # what the model said, refusing
+            text = self.refusal
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.name is not None:
             message["name"] = self.name
@@ -147,7 +173,7 @@ class ResponseFormat(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = True
+    include_usage: bool = False  # as OpenAI: a usage chunk only when asked for
 
 
 def _finite(value: float | None) -> float | None:

@@ -141,7 +141,9 @@ async def _session_error(request: Request, err: SessionError):
 
 
 async def _validation_error(request: Request, err: RequestValidationError):
-    first = err.errors()[0]
+    # the deepest: a value that fits no branch of a union fails each, and the branch it
+    # came nearest to (a list of blocks, not the string) says what was wrong
+    first = max(err.errors(), key=lambda error: len(error["loc"]))
     where = ".".join(str(part) for part in first["loc"] if part != "body")
     path = request.url.path
     if first["type"] == "json_invalid":

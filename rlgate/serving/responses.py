@@ -248,7 +248,7 @@ class ResponsesCall:
             "top_p": request.top_p,
             "max_output_tokens": request.max_output_tokens,
             "store": request.store,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": (request.text or {}).get("format") or {"type": "text"}},  # as asked, and honoured
             "usage": usage,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "metadata": request.metadata,
@@ -260,7 +260,7 @@ class ResponsesCall:
             "input_tokens": prompt_tokens,
             "output_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens_details": {"reasoning_tokens": 0},
         }
 
