@@ -48,6 +48,8 @@ class PolicyStore:
             self.version, self.serving = state["version"], state["serving"]
             self.weights_lost = self.version > initial_version  # the engines start on initial_version's weights
             logger.warning("restarted at version %d; weights lost: %s", self.version, self.weights_lost)
+        else:  # a state file left by a stopped run (resumed from an earlier version) is not this store's
+            self._save()
 
     def _save(self) -> None:
         if self.state_path is None:

@@ -538,6 +538,11 @@ class EvaluationConfig(_Section):
         default_factory=dict, description="Merged over [task] env_config for evaluation episodes (e.g. a split)."
     )
 
+    @field_validator("seeds")
+    @classmethod
+    def _once_each(cls, seeds: list[int]) -> list[int]:
+        return list(dict.fromkeys(seeds))  # a seed listed twice is evaluated once, not counted twice
+
 
 class LoggingConfig(_Section):
     """Trackers beside metrics.jsonl (rlgate.training.tracking); each needs its package."""

@@ -99,14 +99,20 @@ def load_rows(source: str, split: str = "train") -> list[dict]:
     """The rows of a ``.jsonl`` / ``.parquet`` file, or of a dataset by name: a
     folder, or a Hub name, read by ``datasets`` from its cache, or downloaded when the Hub is reachable)."""
     path = Path(source)
+    if path.suffix in (".jsonl", ".parquet") and path.is_dir():
+        raise DatasetError(f"{source}: a folder, not a {path.suffix} file")
     if path.suffix == ".jsonl":
         return _jsonl(path)
     if path.suffix == ".parquet":
         if not path.is_file():
             raise DatasetError(f"{source}: no such file")
+        import pyarrow
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except (pyarrow.ArrowException, OSError) as err:
+            raise DatasetError(f"{source}: not a readable parquet file ({err})") from None
     if path.is_file():
         raise DatasetError(f"{source}: a dataset file is .jsonl or .parquet")
     try:
@@ -121,9 +127,13 @@ def load_rows(source: str, split: str = "train") -> list[dict]:
 
 def _jsonl(path: Path) -> list[dict]:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise DatasetError(f"{path}: no such file") from None
+    except UnicodeDecodeError as err:
+        raise DatasetError(f"{path}: not UTF-8 text (byte {err.start})") from None
+    except OSError as err:
+        raise DatasetError(f"{path}: cannot be read ({err.strerror})") from None
     rows = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():

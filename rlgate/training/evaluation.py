@@ -147,6 +147,7 @@ async def evaluate(
 
     slots = asyncio.Semaphore(concurrency)
     admin = {"Authorization": f"Bearer {admin_key}"}
+    items = list(dict(items).items())  # a seed given twice is played n times, not 2n (and listed once)
     results = {seed: SeedResult(seed) for seed, _ in items}
 
     async def one(http: httpx.AsyncClient, seed: int, item: Any, episode: int) -> None:
@@ -162,8 +163,11 @@ async def evaluate(
                 logger.warning("evaluation episode (seed %d) failed: %s", seed, redact(str(err)))
                 results[seed].failed += 1
             finally:
-                if auth is not None:
-                    await http.post(f"{url}/rl/end_session", headers=auth)
+                if auth is not None:  # an end that fails costs nothing here: the gateway ends idle sessions
+                    try:
+                        await http.post(f"{url}/rl/end_session", headers=auth)
+                    except Exception as err:
+                        logger.warning("ending an evaluation session (seed %d) failed: %s", seed, redact(str(err)))
 
     async with httpx.AsyncClient(timeout=600) as http:
         await asyncio.gather(*(one(http, seed, item, e) for seed, item in items for e in range(n)))

@@ -65,6 +65,15 @@ def test_missing_files_and_other_formats_are_named(tmp_path):
     (tmp_path / "rows.csv").write_text("prompt\na\n")
     with pytest.raises(DatasetError, match="a dataset file is .jsonl or .parquet"):
         load_rows(str(tmp_path / "rows.csv"))
+    (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(DatasetError, match="latin1.jsonl: not UTF-8 text"):
+        load_rows(str(tmp_path / "latin1.jsonl"))
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(DatasetError, match="broken.parquet: not a readable parquet file"):
+        load_rows(str(tmp_path / "broken.parquet"))
+    (tmp_path / "folder.jsonl").mkdir()
+    with pytest.raises(DatasetError, match="folder.jsonl: a folder, not a .jsonl file"):
+        load_rows(str(tmp_path / "folder.jsonl"))
 
 
 def score(completion, row, messages):

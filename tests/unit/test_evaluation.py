@@ -166,3 +166,32 @@ def test_rlgate_eval_may_evaluate_every_row_the_training_run_holds_out(tmp_path)
     with pytest.raises(SystemExit, match="hold out every row"):
         load_dataset_task(config)
     assert load_dataset_task(config, training=False).held_out == set()
+
+
+def test_an_end_that_fails_costs_its_episode_nothing_and_a_seed_given_twice_counts_once(monkeypatch):
+    """An evaluation whose end_session call broke (the gateway dropped the
+    connection) lost the whole report; a seed listed twice was played 2n times."""
+    import asyncio
+
+    import httpx
+
+    from rlgate.training.evaluation import evaluate
+
+    ends = []
+
+    async def post(self, url, **kwargs):  # the gateway, as the evaluation's client reaches it
+        request = httpx.Request("POST", url)
+        if url.endswith("/rl/start_session"):
+            return httpx.Response(200, json={"session_id": "s", "api_key": "rlg-k"}, request=request)
+        ends.append(url)
+        raise httpx.RemoteProtocolError("the server closed the connection", request=request)
+
+    async def play(session, item):
+        return 1.0
+
+    monkeypatch.setattr(httpx.AsyncClient, "post", post)
+    report = asyncio.run(evaluate("http://gateway", "admin", play, [(0, "a"), (1, "b"), (0, "a")], 2, 4, 1.0))
+    assert [seed.seed for seed in report.seeds] == [0, 1]
+    assert [len(seed.rewards) for seed in report.seeds] == [2, 2] and len(ends) == 4
+    assert seeds_of(["0-2", "1", "2-3"]) == [0, 1, 2, 3]
+    assert parse_config({"evaluation": {"seeds": [3, 1, 3]}}).evaluation.seeds == [3, 1]

@@ -127,3 +127,13 @@ async def test_a_restarted_trainer_publishes_the_last_version_again_and_nothing_
         await store.publish(2, ["w2"], again=True)  # a step repeated before the last one
     await store.publish(3, ["w3 (repeated)"], again=True)
     assert await store.newer_than(2, 0) == (3, ["w3 (repeated)"])
+
+
+def test_a_new_store_writes_its_version_over_a_stopped_runs_state_file(tmp_path):
+    """A resumed run's store (at its checkpoint's version 10) found the stopped run's
+    policy.json (at 12) if it restarted before its first change, and came back at 12
+    with its weights lost: every publish of 11 was refused."""
+    state = tmp_path / "policy.json"
+    state.write_text('{"version": 12, "serving": {}}')
+    store = Store(10, str(state))
+    assert store.version == 10 and '"version": 10' in state.read_text()
