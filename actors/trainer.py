@@ -47,7 +47,7 @@ from rlgate.run import (
 from rlgate.training import strategy
 from rlgate.training.grpo import LossConfig
 from rlgate.training.loop import surviving
-from rlgate.training.policy_step import PolicyTrainer, StepSettings, collate, shard
+from rlgate.training.policy_step import PolicyTrainer, StepSettings, across_ranks, collate, shard
 
 
 def step_settings(settings: RLGateConfig) -> StepSettings:
@@ -123,6 +123,8 @@ def train_worker(setup: dict) -> None:
     trainer = PolicyTrainer(model, optimizer, step_settings(settings), reference)
 
     if covered is not None:  # the driver may still wait for the step this checkpoint ended with
+        if rank != 0:  # the checkpoint holds rank 0's figures; its share is counted once
+            covered = {**covered, **dict.fromkeys(("loss", "trained_tokens", "stale_tokens_dropped"), 0.0)}
         ray.get(channel.done_at_checkpoint.remote(index - 1, rank, covered))
     republisher = Republisher(policy) if rank == 0 else None
     while (command := ray.get(channel.fetch.remote(index)))["op"] != "stop":
@@ -290,7 +292,7 @@ class TrainerWorkers:
         driver_state: dict | None = None,
         timeout_s: float = 3600,
     ) -> dict:
-        """One optimizer step (or ``updates_per_batch``) on every worker; rank 0's metrics."""
+        """One optimizer step (or ``updates_per_batch``) on every worker; its metrics over all of them."""
         command = {
             "op": "step",
             "batch": [ray.put((records, advantages))],
@@ -308,7 +310,7 @@ class TrainerWorkers:
             if results is not None:
                 if save:  # the checkpoint covers every command so far: let their batches go
                     ray.get(self.channel.forget_below.remote(index + 1))
-                return results[0]
+                return across_ranks(results)
         raise TimeoutError(f"training step {index} did not finish within {timeout_s} s")
 
     def stop(self, timeout_s: float = 120) -> None:

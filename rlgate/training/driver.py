@@ -287,7 +287,8 @@ def train(
         synced = time.monotonic()
         served(policy, version, config.rollout.replicas)  # every engine serves v + 1
         surviving(lambda v=version: capacity.on_new_version.remote(v), "the new version")  # admit the next sessions
-        summary = summarise(records, metrics, version, buffer, started, synced) | {"collect_s": started - waited}
+        summary = summarise(records, metrics, version, training.max_staleness, buffer, started, synced)
+        summary["collect_s"] = started - waited
         log.log(step, summary | evaluate_at(step), records)  # held-out seeds, every [evaluation] every_n_iters
         log.batch(step, [r["seq"] for r in records])
 
@@ -660,8 +661,11 @@ def save_due(step: int, training) -> bool:
     return step == training.total_steps or bool(training.save_every and step % training.save_every == 0)
 
 
-def summarise(records, metrics, version, buffer, started, synced) -> dict:
-    sampled = [(version - 1) - v for r in records for m, v in zip(r["loss_mask"], r["versions"]) if m]
+def summarise(records, metrics, version, max_staleness, buffer, started, synced) -> dict:
+    """The step's line in metrics.jsonl; ``version`` is the one it made. Staleness is over
+    the tokens trained on: those past ``max_staleness`` were dropped (stale_tokens_dropped)."""
+    lags = ((version - 1) - v for r in records for m, v in zip(r["loss_mask"], r["versions"]) if m)
+    sampled = [lag for lag in lags if lag <= max_staleness]
     elapsed = time.monotonic() - started
     return {
         "version": version,

@@ -166,11 +166,12 @@ class PolicyTrainer:
             reference = token_logprobs(self.reference, batch) if self.reference is not None else None
         whole = global_normaliser or denominator(s.loss.aggregation, mask.shape[0], float(mask.sum()), mask.shape[1])
         self.model.train()
-        metrics: dict[str, float] = {}
         losses = []
         for _ in range(s.updates_per_batch):
             self.optimizer.zero_grad(set_to_none=True)
             total = 0.0
+            weighted: dict[str, float] = {}  # the update's loss metrics over every micro-batch, by tokens
+            tokens = 0.0
             for part in torch.arange(len(batch)).tensor_split(s.grad_accumulation):
                 if len(part) == 0:
                     continue
@@ -196,6 +197,10 @@ class PolicyTrainer:
                 )
                 (loss * scale).backward()
                 total += loss.item()
+                part_tokens = float(mask[rows].sum())
+                for name, value in metrics.items():
+                    weighted[name] = weighted.get(name, 0.0) + value * part_tokens
+                tokens += part_tokens
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.max_grad_norm)
             self.optimizer.step()
             losses.append(total)
@@ -209,5 +214,28 @@ class PolicyTrainer:
             "stale_tokens_dropped": float(stale.sum()),
             "logprob_mismatch_mean": float(mismatch.mean()) if mismatch.numel() else 0.0,
             "logprob_mismatch_max": float(mismatch.max()) if mismatch.numel() else 0.0,
-            **{f"loss_{k}": v for k, v in metrics.items()},
+            **{f"loss_{k}": v / tokens if tokens else 0.0 for k, v in weighted.items()},
         }
+
+
+_SUMMED = ("loss", "trained_tokens", "stale_tokens_dropped")  # each rank's share of the batch
+_BY_TOKENS = ("logprob_mismatch_mean",)  # and every loss_* metric: means over each rank's tokens
+
+
+def across_ranks(results: dict[int, dict[str, float]]) -> dict[str, float]:
+    """One step's metrics over every worker's part of the batch: shares summed, means
+    weighted by each rank's tokens, maxima (``*_max``, times, memory) the largest,
+    the rest (the gradient norm, all-reduced) rank 0's."""
+    ranks = [results[rank] for rank in sorted(results)]
+    combined = dict(ranks[0])
+    tokens = sum(r.get("trained_tokens", 0.0) for r in ranks)
+    for name in combined:
+        values = [r[name] for r in ranks if name in r]
+        if name in _SUMMED:
+            combined[name] = sum(values)
+        elif name in _BY_TOKENS or name.startswith("loss_"):
+            weights = [r.get("trained_tokens", 0.0) for r in ranks if name in r]
+            combined[name] = sum(v * w for v, w in zip(values, weights)) / tokens if tokens else values[0]
+        elif name.endswith(("_max", "_s", "_mib")):
+            combined[name] = max(values)
+    return combined

@@ -209,3 +209,27 @@ def test_every_row_goes_to_one_worker_and_every_worker_runs_as_many(rows, world)
     assert sorted(real) == [(i, float(i + 1)) for i in range(rows)]  # each row once, with its advantage
     padding = [(r, a) for share in shares for r, a in share if not any(r["loss_mask"])]
     assert len(padding) == world * -(-rows // world) - rows and all(a == 0.0 for _, a in padding)
+
+
+def test_a_steps_loss_metrics_cover_every_micro_batch(sampled, reference_model):
+    """The loss_* figures came from the last micro-batch alone: with gradient
+    accumulation they changed though the update was the same."""
+    settings = dict(loss=LossConfig(aggregation="token_mean"))
+    whole = make_trainer(reference_model, **settings).step(sampled, version=0)
+    parts = make_trainer(reference_model, grad_accumulation=2, **settings).step(sampled, version=0)
+    for name in ("loss_entropy", "loss_ratio", "trained_tokens", "loss"):
+        assert parts[name] == pytest.approx(whole[name], rel=1e-4, abs=1e-6), name
+
+
+def test_metrics_across_ranks_sum_shares_weight_means_and_take_maxima():
+    from rlgate.training.policy_step import across_ranks
+
+    ranks = {
+        1: {"loss": 0.25, "trained_tokens": 30.0, "loss_entropy": 2.0, "logprob_mismatch_max": 0.3, "compute_s": 2.0},
+        0: {"loss": 0.5, "trained_tokens": 10.0, "loss_entropy": 1.0, "logprob_mismatch_max": 0.1, "compute_s": 1.0},
+    }
+    ranks[0]["grad_norm"] = ranks[1]["grad_norm"] = 0.7
+    combined = across_ranks(ranks)
+    assert combined["loss"] == 0.75 and combined["trained_tokens"] == 40.0 and combined["grad_norm"] == 0.7
+    assert combined["loss_entropy"] == pytest.approx(1.75) and combined["logprob_mismatch_max"] == 0.3
+    assert combined["compute_s"] == 2.0
