@@ -538,11 +538,6 @@ class EvaluationConfig(_Section):
         default_factory=dict, description="Merged over [task] env_config for evaluation episodes (e.g. a split)."
     )
 
-    @field_validator("seeds")
-    @classmethod
-    def _once_each(cls, seeds: list[int]) -> list[int]:
-        return list(dict.fromkeys(seeds))  # a seed listed twice is evaluated once, not counted twice
-
 
 class LoggingConfig(_Section):
     """Trackers beside metrics.jsonl (rlgate.training.tracking); each needs its package."""
@@ -619,6 +614,11 @@ class RLGateConfig(_Section):
                 )
         if self.task.dataset is not None and self.services.task_url is not None:
             raise ValueError("set one of [task] dataset and [services] task_url (a task app), not both")
+        held_out = set(self.evaluation.seeds) if self.evaluation.every_n_iters else set()
+        if self.task.seeds and set(self.task.seeds) <= held_out:
+            raise ValueError(
+                "every [task] seed is one of the [evaluation] seeds held out of training: nothing would be trained on"
+            )
         if self.task.max_tokens > self.gateway.max_completion_tokens:
             raise ValueError(
                 f"[task] max_tokens ({self.task.max_tokens}) is more than the gateway allows a request "

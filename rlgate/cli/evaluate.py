@@ -35,7 +35,7 @@ def seeds_of(values: list[str]) -> list[int]:
             seeds += list(range(int(first), int(last) + 1)) if dash else [int(value)]
         except ValueError:
             raise ValueError(f"--seeds takes numbers and ranges like 0-31, not {value!r}") from None
-    return list(dict.fromkeys(seeds))  # each once, in order
+    return seeds
 
 
 def serve_model_of(config: RLGateConfig, model: str) -> str:

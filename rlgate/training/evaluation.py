@@ -147,8 +147,7 @@ async def evaluate(
 
     slots = asyncio.Semaphore(concurrency)
     admin = {"Authorization": f"Bearer {admin_key}"}
-    items = list(dict(items).items())  # a seed given twice is played n times, not 2n (and listed once)
-    results = {seed: SeedResult(seed) for seed, _ in items}
+    results = {seed: SeedResult(seed) for seed, _ in items}  # a seed listed twice: 2n episodes, reported once
 
     async def one(http: httpx.AsyncClient, seed: int, item: Any, episode: int) -> None:
         async with slots:
@@ -171,7 +170,7 @@ async def evaluate(
 
     async with httpx.AsyncClient(timeout=600) as http:
         await asyncio.gather(*(one(http, seed, item, e) for seed, item in items for e in range(n)))
-    return EvalReport([results[seed] for seed, _ in items], n, threshold)
+    return EvalReport(list(results.values()), n, threshold)
 
 
 def problems_for(task, seeds: list[int]) -> list[tuple[int, Any]]:

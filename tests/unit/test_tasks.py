@@ -7,6 +7,7 @@ import itertools
 import random
 import threading
 
+import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -82,3 +83,33 @@ async def test_a_player_whose_every_episode_fails_says_the_environment_is_down_a
     assert stats.fatal.startswith("every episode for") and "ConnectionError: database unreachable" in stats.fatal
     assert stats.played == 0 and stats.failed >= 3
     assert all(failed for kind, _, failed in calls if kind == "end")
+
+
+def test_task_app_groups_skip_held_out_seeds_and_never_share_a_task_id():
+    """Training played the seeds [evaluation] holds out (0, 1, ... are both), and a
+    seed played again (task seeds cycle; a resumed run) joined the earlier group."""
+    import itertools
+
+    from rlgate.config import parse_config
+    from rlgate.training.tasks import task_app_episodes
+
+    config = parse_config({"evaluation": {"every_n_iters": 2, "seeds": [0, 1, 3]}})
+    groups, _ = task_app_episodes(None, config, "m", "run")
+    played = list(itertools.islice(groups, 4))
+    assert [seed for _, seed in played] == [2, 4, 5, 6]
+    assert len({task_id for task_id, _ in played}) == 4 and played[0][0].startswith("task-seed-2.")
+    resumed, _ = task_app_episodes(None, config, "m", "run", first_seed=10)
+    assert next(resumed)[1] == 10
+    evaluating, _ = task_app_episodes(None, config, "m", "run", mode="eval")
+    assert next(evaluating)[1] == 0  # held out of training, not of evaluation
+
+    cycling = parse_config({"task": {"seeds": [7, 8], "seed_start": 0}})
+    groups, _ = task_app_episodes(None, cycling, "m", "run")
+    again = list(itertools.islice(groups, 4))
+    assert [seed for _, seed in again] == [7, 8, 7, 8] and len({task_id for task_id, _ in again}) == 4
+    groups, _ = task_app_episodes(None, cycling, "m", "run", first_seed=3)
+    assert next(groups)[1] == 8  # the fourth group's seed
+    from rlgate.config import ConfigError
+
+    with pytest.raises(ConfigError, match="every \\[task\\] seed is one of the \\[evaluation\\] seeds"):
+        parse_config({"task": {"seeds": [0, 1]}, "evaluation": {"every_n_iters": 1, "seeds": [0, 1, 2]}})
