@@ -91,7 +91,9 @@ class Job(BaseModel):
     finished_at: float | None = None
     error: str | None = None
     waiting: str | None = Field(
-        None, description="Why a running job has not started yet: the resources it waits for, who holds them."
+        None,
+        description="Why a queued or running job has not started yet: the jobs ahead of it, or the resources "
+        "it waits for and who holds them.",
     )
     progress: dict[str, Any] = Field(default_factory=dict)
     results: JobResults = Field(default_factory=JobResults)

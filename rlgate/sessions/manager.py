@@ -213,12 +213,13 @@ class SessionManager:
                 await to_its_end(
                     self._end(self._closed[refresh_key_hash], reason="restart"), "an earlier session's save"
                 )
-            if not await self.capacity.acquire(max(self.refresh_timeout_s, wait_s), task_id, group_size):
+            waited_s = max(self.refresh_timeout_s, wait_s)
+            if not await self.capacity.acquire(waited_s, task_id, group_size):
                 self.counters["rejected"] += 1
                 raise SessionError(
                     429,
                     f"the previous session of this key was ended and exported, but no capacity for a new "
-                    f"one came within {self.refresh_timeout_s:g} s; retry start_session with the same api_key",
+                    f"one came within {waited_s:g} s; retry start_session with the same api_key",
                     self.retry_after_s,
                 )
             session_id = await self._open_holding(task_id, refresh_key_hash, options)
