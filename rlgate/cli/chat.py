@@ -11,6 +11,7 @@ from __future__ import annotations
 import secrets
 import socket
 
+CHAT_APP = "rlgate-chat"
 SCRIPT = [
     "Hi! In one sentence, what is reinforcement learning?",
     "Give me one everyday example of it.",
@@ -48,20 +49,27 @@ def run_chat(config_path: str, max_tokens: int = 64) -> int:
     config = load_config(config_path)
     with console.status(f"Preparing model {config.model.name} (built once, then cached)"):
         resolve_model(config)
-    port = _free_port(config.gateway.port)
-    url = f"http://127.0.0.1:{port}"
+    from ray.serve.context import _get_global_client
+
     admin = {"Authorization": f"Bearer {secrets.token_urlsafe(32)}"}  # 256 bits, as every key rlgate makes
     with console.status(f"Starting Ray, a {config.rollout.engine} rollout engine and the gateway (about 30 s on CPU)"):
-        ray.init(include_dashboard=False, log_to_driver=False)
-        serve.start(
-            http_options={"host": "127.0.0.1", "port": port},
-            logging_config={"enable_access_log": False},
-            **serve_start_options(),
-        )
-        serve.run(build_app(config, hash_key(admin["Authorization"].split()[1])), name="rlgate-demo", route_prefix="/")
-    health = httpx.get(f"{url}/health").json()
-    console.print(f"[green]gateway ready[/] at {url}: {health}")
+        ray.init(include_dashboard=False, log_to_driver=False)  # joins a cluster `ray start` left running here
+        running = _get_global_client(raise_if_no_controller_running=False)
+        if running is None:  # our own Serve, at the root of a free port; shut down at the end
+            port, prefix = _free_port(config.gateway.port), "/"
+            serve.start(
+                http_options={"host": "127.0.0.1", "port": port},
+                logging_config={"enable_access_log": False},
+                **serve_start_options(),
+            )
+        else:  # a Serve with its own apps: beside them, under a prefix of our own, and they are left alone
+            port, prefix = running.http_config.port, f"/{CHAT_APP}"
+        admin_hash = hash_key(admin["Authorization"].split()[1])
+        serve.run(build_app(config, admin_hash), name=CHAT_APP, route_prefix=prefix)
+    url = f"http://127.0.0.1:{port}{prefix.rstrip('/')}"
     try:
+        health = httpx.get(f"{url}/health").json()
+        console.print(f"[green]gateway ready[/] at {url}: {health}")
         session = httpx.post(f"{url}/rl/start_session", json={"task_id": "demo"}, headers=admin).json()
         console.print(f"session [bold]{session['session_id']}[/] started (the agent gets its own API key)")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=session["api_key"])
@@ -101,7 +109,9 @@ def run_chat(config_path: str, max_tokens: int = 64) -> int:
         console.print(f"\nreward 1.0 set; {ended['message']} ({ended['interaction_count']} completions)")
         _show_trajectory(console, Table, httpx.get(f"{url}/rl/trajectories", headers=admin).text, session, config)
     finally:
-        serve.shutdown()
+        serve.delete(CHAT_APP)
+        if running is None:
+            serve.shutdown()
         ray.shutdown()
     return 0
 

@@ -144,4 +144,7 @@ def run_eval(args) -> int:
     else:
         json.dump(result, sys.stdout, indent=2)
         print()
+    if report.episodes == 0:  # nothing was scored: an unreachable gateway or task app, a wrong key
+        print(f"rlgate: error: every one of {report.failed} episodes failed; the log says why", file=sys.stderr)
+        return 1
     return 0

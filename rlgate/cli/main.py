@@ -149,7 +149,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:  # Ctrl-C: stopped, as the user asked; no traceback
+        print("rlgate: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["serve"]:  # serve_app.py's own options
         from rlgate.serving.app import main as serve
 
@@ -248,8 +255,12 @@ def _check_parity(args) -> int:
 
 
 def _hint(err, args) -> str:
-    if err.status == 0:
+    from rlgate.sdk.client import APIConnectionError
+
+    if isinstance(err, APIConnectionError):
         return f"is the gateway running at {args.backend}? set --backend or RLGATE_URL"
+    if err.status == 0:  # not sent: something on this side (a file, a flag)
+        return "fix the command line or the file it names as the message says"
     if err.status in (401, 403):
         return "pass the admin key (or the job's own key) with --api-key or RLGATE_ADMIN_KEY"
     if err.status == 404:
@@ -271,7 +282,13 @@ def _http_command(args) -> int:
         if args.resume or args.run_dir:
             raise RLGateError(0, "--resume and --run-dir are for training here; a job on a gateway runs fresh")
         job = RLJob.from_config(
-            args.config, args.backend, args.api_key, args.task_app, args.idempotency_key, args.model
+            args.config,
+            args.backend,
+            args.api_key,
+            args.task_app,
+            args.idempotency_key,
+            args.model,
+            task_app_api_key=args.task_app_key,  # for the job's calls to the task app; kept out of its records
         )
         job_id = job.submit()
         print(f"rlgate: job {job_id} submitted" + (f"; its own key: {job.job_api_key}" if job.job_api_key else ""))

@@ -203,6 +203,8 @@ def map_synth(data: dict, source: str = "config") -> Mapped:
             m.get(section, "trainer_mode")
     m.put("gateway", "served_model_name", m.get("model", "label"))
     sampling = {key: m.get("policy", key) for key in SAMPLING if m.get("policy", key) is not None}
+    if sampling.get("repetition_penalty") not in (None, 1, 1.0):
+        m.refuse("policy.repetition_penalty", "the gateway samples without a repetition penalty (1.0 only)")
     # [services]
     m.put("services", "task_url", m.get("services", "task_url"))
     m.put("jobs", "task_app_hosts", m.get("jobs", "task_app_hosts"))  # a submitted job gets the gateway's instead
@@ -368,6 +370,12 @@ def _map_compute(m: _Mapper) -> None:
     for_training = m.get("topology", "gpus_for_training")
     m.put("rollout", "tensor_parallel_size", m.get("topology", "tensor_parallel"))
     if gpu_type is not None and str(gpu_type).lower() == "cpu" or gpus == 0:
+        if for_vllm or for_training or (gpu_type is not None and str(gpu_type).lower() != "cpu"):
+            m.refuse(
+                "compute.gpu_count",
+                "GPUs are asked for ([compute] gpu_type or [topology] gpus_for_*) but compute.gpu_count is "
+                'missing or 0: give the number of GPUs (or gpu_type = "cpu")',
+            )
         m.put("compute", "gpus_per_worker", 0)  # CPU workers and CPU rollout replicas
         return
     if for_vllm is None or for_training is None:

@@ -177,8 +177,12 @@ class _Settings:
     def _outcome(self, call: _Call, attempt: int, answer=None, error: Exception | None = None):
         """The answer's JSON, an error to raise, or (None, wait) to try again."""
         if error is not None:
-            # Only a connection never opened is safe to repeat: the request was not sent.
-            if isinstance(error, httpx.ConnectError | httpx.ConnectTimeout) and attempt < self.max_retries:
+            if isinstance(error, httpx.InvalidURL | httpx.UnsupportedProtocol):
+                return RLGateError(0, f"{call}: not a URL this client can call ({error})"), None
+            # A connection never opened: the request was not sent. Any other broken exchange (a
+            # connection the server closed, a read cut short) only where the call may be made twice.
+            unsent = isinstance(error, httpx.ConnectError | httpx.ConnectTimeout)
+            if (unsent or (call.repeatable and isinstance(error, httpx.TransportError))) and attempt < self.max_retries:
                 return None, _wait_s(attempt, None)
             return APIConnectionError(f"{call}: unreachable ({error.__class__.__name__}: {error})"), None
         status = answer.status_code
@@ -232,7 +236,7 @@ class Client(_Settings):
             try:
                 answer = self.http.request(method, url, headers=headers, timeout=timeout, **kwargs)
                 outcome, wait = self._outcome(call, attempt, answer=answer)
-            except httpx.HTTPError as err:
+            except (httpx.HTTPError, httpx.InvalidURL) as err:
                 outcome, wait = self._outcome(call, attempt, error=err)
             if wait is None:
                 if isinstance(outcome, RLGateError):
@@ -289,7 +293,7 @@ class AsyncClient(_Settings):
             try:
                 answer = await self.http.request(method, url, headers=headers, timeout=timeout, **kwargs)
                 outcome, wait = self._outcome(call, attempt, answer=answer)
-            except httpx.HTTPError as err:
+            except (httpx.HTTPError, httpx.InvalidURL) as err:
                 outcome, wait = self._outcome(call, attempt, error=err)
             if wait is None:
                 if isinstance(outcome, RLGateError):

@@ -48,7 +48,18 @@ def environment_key() -> str | None:
     if os.environ.get(API_KEY_ENV):
         return os.environ[API_KEY_ENV]
     path = os.environ.get(f"{API_KEY_ENV}_FILE")
-    return open(path).read().strip() if path else None
+    if not path:
+        return None
+    try:
+        with open(path) as file:
+            return file.read().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        why = err.strerror if isinstance(err, OSError) else "not text"
+        raise KeyFileError(f"${API_KEY_ENV}_FILE names {path}, which cannot be read ({why})") from None
+
+
+class KeyFileError(ValueError):
+    """``$ENVIRONMENT_API_KEY_FILE`` names a file that cannot be read."""
 
 
 class _Open(BaseModel):
@@ -150,12 +161,24 @@ class Episode:
 
     async def chat(self, messages: list[dict], **kwargs) -> str:
         """One policy turn: the reply's text (the full response: ``client.chat.completions.create``)."""
-        settings = {k: v for k, v in self.request.policy.config.items() if k in _SAMPLING} | kwargs
-        reply = await self.client.chat.completions.create(model=self.model, messages=messages, **settings)
+        reply = await self.client.chat.completions.create(
+            model=self.model, messages=messages, **(sampling(self.request.policy.config) | kwargs)
+        )
         return reply.choices[0].message.content or ""
 
 
 _SAMPLING = {"temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "seed"}
+
+
+def sampling(policy_config: dict[str, Any]) -> dict[str, Any]:
+    """The chat request's sampling settings in a rollout's ``policy.config``: OpenAI's own,
+    synth-ai's ``stop_sequences`` as ``stop``, and ``top_k`` (vLLM's) in the body."""
+    settings = {k: v for k, v in policy_config.items() if k in _SAMPLING}
+    if policy_config.get("stop_sequences") and "stop" not in settings:
+        settings["stop"] = policy_config["stop_sequences"]
+    if policy_config.get("top_k") is not None:
+        settings["extra_body"] = {"top_k": policy_config["top_k"]}
+    return settings
 
 
 def create_task_app(
@@ -301,9 +324,10 @@ class TaskAppClient:
             raise TaskAppError(f"{where}: {err}") from None
         except httpx.HTTPError as err:
             raise TaskAppError(f"{where}: unreachable ({_transport_error(err)})") from None
-        if answer.status_code in (401, 403):
+        if answer.status_code in (401, 403) or _key_refused(answer):
             raise TaskAppError(
                 f"{where}: {answer.status_code} unauthorised; set {API_KEY_ENV} to the task app's environment key"
+                + (" (the task app needs one of its own too)" if answer.status_code == 503 else "")
             )
         if answer.status_code != 200:
             raise TaskAppError(f"{where}: {_status(answer)}")
@@ -362,3 +386,12 @@ def _transport_error(err) -> str:
     if isinstance(err, httpx.ProtocolError | httpx.DecodingError):
         return f"{err.__class__.__name__}: the answer is not HTTP that rlgate reads"
     return f"{err.__class__.__name__}: {err}"
+
+
+def _key_refused(answer) -> bool:
+    """synth-ai's task apps refuse a wrong key with 400 ("unauthorised") and answer 503
+    when they have no key of their own, not 401/403."""
+    if answer.status_code not in (400, 503):
+        return False
+    text = answer.text[:2000].lower()
+    return any(word in text for word in ("unauthori", "api key", "api_key", "environment_api_key"))

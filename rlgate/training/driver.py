@@ -50,7 +50,7 @@ from rlgate.run import (
     end_actors,
     get_actor,
 )
-from rlgate.sdk.taskapp import TaskAppClient, TaskAppError, environment_key
+from rlgate.sdk.taskapp import KeyFileError, TaskAppClient, TaskAppError, environment_key
 from rlgate.serving.app import (
     AdminKey,
     AdminKeyRefused,
@@ -441,7 +441,10 @@ def task_app_key(job_manager: str | None, job_id: str) -> str | None:
     over once (a file or an environment variable would show it); a run started
     by hand reads ``$ENVIRONMENT_API_KEY`` or the file ``$ENVIRONMENT_API_KEY_FILE``."""
     if job_manager is None:
-        return environment_key()
+        try:
+            return environment_key()
+        except KeyFileError as err:
+            raise SystemExit(f"rlgate: failed to start: {err}") from None
     try:
         return ray.get(ray.get_actor(job_manager, namespace=NAMESPACE).take_task_app_key.remote(job_id))
     except ValueError:  # no such actor: it died, and the key with it

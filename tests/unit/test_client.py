@@ -245,8 +245,8 @@ def test_rlgate_train_runs_here_without_a_gateway_and_submits_with_one(gateway, 
     import subprocess
     import sys
 
-    url, _ = gateway
-    env = {k: v for k, v in os.environ.items() if k not in ("RLGATE_URL", "RLGATE_ADMIN_KEY")}
+    url, seen = gateway
+    env = {k: v for k, v in os.environ.items() if k not in ("RLGATE_URL", "RLGATE_ADMIN_KEY", "ENVIRONMENT_API_KEY")}
 
     def rlgate(*args: str) -> subprocess.CompletedProcess:
         command = [sys.executable, "-m", "rlgate.cli", "train", "--config", *args]
@@ -263,3 +263,32 @@ def test_rlgate_train_runs_here_without_a_gateway_and_submits_with_one(gateway, 
     assert submitted.returncode == 0 and "rlgate: job job-0 submitted" in submitted.stdout
     resumed = rlgate(str(config), "--backend", url, "--api-key", ADMIN, "--resume")
     assert resumed.returncode == 2 and "--resume and --run-dir are for training here" in resumed.stderr
+    assert "is the gateway running" not in resumed.stderr and "fix the command line" in resumed.stderr
+    keyed = rlgate(str(config), "--backend", url, "--api-key", ADMIN, "--task-app-key", "env-secret")
+    assert keyed.returncode == 0  # the job's calls to its task app carry the key (kept out of its records)
+    sent = httpx.Response(200, content=seen["requests"][-1][3]).json()
+    assert sent["task_app_api_key"] == "env-secret"
+    missing = rlgate(str(tmp_path / "absent.toml"), "--backend", url, "--api-key", ADMIN)
+    assert missing.returncode == 2 and "no such config file" in missing.stderr
+    assert "is the gateway running" not in missing.stderr
+
+
+def test_a_dropped_connection_is_retried_where_the_call_may_be_made_twice():
+    """A GET whose connection broke (a keep-alive race, a gateway restart) ended a
+    job's polling; a POST that may have been done is not sent again."""
+    sent = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request.method)
+        if len(sent) % 2 == 1:
+            raise httpx.RemoteProtocolError("the server closed the connection", request=request)
+        return httpx.Response(200, json={"job_id": "j", "status": "running"})
+
+    http = httpx.Client(transport=httpx.MockTransport(answer))
+    client = sdk.Client("http://gateway", ADMIN, http_client=http)
+    assert sdk.RLJob.from_job_id("j", client=client).get_status()["status"] == "running" and sent == ["GET", "GET"]
+    with pytest.raises(sdk.APIConnectionError, match="RemoteProtocolError"):
+        sdk.RLJob.from_job_id("j", client=client).cancel()
+    assert sent == ["GET", "GET", "POST"]
+    with pytest.raises(sdk.RLGateError, match="not a URL this client can call"):
+        sdk.Client("http://localhost:8000x", ADMIN).list_jobs()

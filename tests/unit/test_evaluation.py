@@ -195,3 +195,17 @@ def test_an_end_that_fails_costs_its_episode_nothing_and_a_seed_given_twice_is_r
     # seed 0 listed twice (synth-ai's instances cycle the seeds): played 2n times, reported once
     assert [seed.seed for seed in report.seeds] == [0, 1] and report.episodes == 6
     assert [len(seed.rewards) for seed in report.seeds] == [4, 2] and len(ends) == 6
+
+
+def test_rlgate_eval_fails_when_no_episode_could_be_scored(tmp_path, capsys, monkeypatch):
+    """An unreachable gateway or a wrong key made every episode fail, and eval still
+    exited 0: a CI job would read that as a pass."""
+    from rlgate.cli.main import main
+
+    monkeypatch.delenv("RLGATE_URL", raising=False)
+    config = tmp_path / "c.toml"
+    config.write_text('[task]\nbuiltin = "vowels"\n')
+    code = main(
+        ["eval", "--config", str(config), "--backend", "http://127.0.0.1:9", "--api-key", "k", "--seeds", "0-1"]
+    )
+    assert code == 1 and "every one of 2 episodes failed" in capsys.readouterr().err

@@ -307,3 +307,21 @@ def test_what_synth_ais_sdk_adds_or_moves_keeps_its_meaning():
     assert expected <= ignored, expected - ignored
     only_model_name = with_(policy={"model_name": "Qwen/Qwen3-1.7B"}, model={"trainer_mode": "full"})
     assert parse_config(only_model_name).model.name == "Qwen/Qwen3-1.7B"
+
+
+@pytest.mark.parametrize(
+    ("section", "says"),
+    [
+        ({"topology": {"gpus_for_vllm": 1, "gpus_for_training": 1}}, "compute.gpu_count: GPUs are asked for"),
+        ({"compute": {"gpu_type": "H100"}}, "compute.gpu_count: GPUs are asked for"),
+        ({"policy": {"repetition_penalty": 1.1}}, "policy.repetition_penalty"),
+    ],
+)
+def test_what_would_silently_change_a_synth_run_is_refused(section, says):
+    """GPUs asked for without a count trained on the CPU; a repetition penalty was
+    passed to task apps the gateway then refused on every episode."""
+    data = {"type": "rl", "model": {"base": "Qwen/Qwen3-0.6B"}, "training": {"batch_size": 4, "group_size": 2}}
+    for name, values in section.items():
+        data[name] = {**data.get(name, {}), **values}
+    with pytest.raises(ConfigError, match=says):
+        parse_config(data)

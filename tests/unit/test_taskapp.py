@@ -189,3 +189,34 @@ def test_a_key_given_in_a_file_is_required_and_an_empty_file_refused(tmp_path, m
     (tmp_path / "key").write_text("\n")
     with pytest.raises(ValueError, match="key file .* is empty"):
         create_task_app("add", add)
+
+
+def test_a_key_synth_ais_task_apps_refuse_with_400_gets_the_key_hint(monkeypatch, tmp_path):
+    """synth-ai 0.4.4's task apps refuse a wrong key with 400 ("unauthorised") and
+    answer 503 when they have no key of their own; the hint said nothing of keys."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({"detail": {"error": {"code": "unauthorised", "message": "API key missing"}}}, 400)
+
+    with serve_asgi(app) as url:
+        with pytest.raises(TaskAppError, match=r"/health: 400 unauthorised; set ENVIRONMENT_API_KEY"):
+            asyncio.run(TaskAppClient(url, api_key="wrong").check())
+    monkeypatch.delenv("ENVIRONMENT_API_KEY", raising=False)
+    monkeypatch.setenv("ENVIRONMENT_API_KEY_FILE", str(tmp_path / "absent"))
+    from rlgate.sdk.taskapp import KeyFileError, environment_key
+
+    with pytest.raises(KeyFileError, match="ENVIRONMENT_API_KEY_FILE names .*absent, which cannot be read"):
+        environment_key()
+
+
+def test_an_episode_asks_for_the_sampling_its_policy_config_names():
+    """synth-ai's stop_sequences and top_k were mapped into policy.config, then dropped."""
+    from rlgate.sdk.taskapp import sampling
+
+    config = {"temperature": 0.2, "stop_sequences": ["</answer>"], "top_k": 20, "policy_name": "x"}
+    assert sampling(config) == {"temperature": 0.2, "stop": ["</answer>"], "extra_body": {"top_k": 20}}
