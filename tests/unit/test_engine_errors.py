@@ -178,55 +178,48 @@ async def test_a_second_pause_returns_only_once_the_engine_is_paused(tiny_path):
     assert engine.changes[-2:] == [("start", False), ("done", False)] and not (await engine.health()).paused
 
 
+async def _cancelled_mid_change(engine, work) -> None:
+    """Start ``work``, cancel it while the engine's pause or resume is under way, let the change finish."""
+    import asyncio
+
+    task = asyncio.create_task(work)
+    await asyncio.sleep(0.01)
+    task.cancel()
+    engine.gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def _until(condition) -> None:
+    import asyncio
+
+    for _ in range(100):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+
+
 async def test_a_cancelled_pause_does_not_count_and_a_cancelled_resume_still_resumes(tiny_path):
     """A pause cancelled while the engine stops (Serve cancels a handler whose caller
     left) stayed counted with nobody to resume it: the engine stayed stopped. Now
     the cancelled pause is undone, and a cancelled resume finishes."""
-    import asyncio
-
     engine = _Gated.make(tiny_path)
-    pausing = asyncio.create_task(engine.pause())
-    await asyncio.sleep(0.01)
-    pausing.cancel()
-    engine.gate.set()
-    with pytest.raises(asyncio.CancelledError):
-        await pausing
-    for _ in range(100):
-        if engine.changes[-1:] == [("done", False)]:
-            break
-        await asyncio.sleep(0.01)
+    await _cancelled_mid_change(engine, engine.pause())
+    await _until(lambda: engine.changes[-1:] == [("done", False)])
     assert engine.changes == [("start", True), ("done", True), ("start", False), ("done", False)]
     assert engine._pause_depth == 0
 
     await engine.pause()
     engine.gate.clear()
-    resuming = asyncio.create_task(engine.resume())
-    await asyncio.sleep(0.01)
-    resuming.cancel()
-    engine.gate.set()
-    with pytest.raises(asyncio.CancelledError):
-        await resuming
-    for _ in range(100):
-        if not engine._stopped:
-            break
-        await asyncio.sleep(0.01)
+    await _cancelled_mid_change(engine, engine.resume())
+    await _until(lambda: not engine._stopped)
     assert engine.changes[-1] == ("done", False) and engine._pause_depth == 0
 
 
 async def test_a_weight_update_whose_caller_is_cancelled_still_finishes_with_its_version(tiny_path):
     """Cut short mid-load (a follower stopped, a handler whose caller left), an update
     left the engine on the new weights labelled with the old version."""
-    import asyncio
-
     engine = _Gated.make(tiny_path)
-    updating = asyncio.create_task(engine.update_weights({"w": 1}, 1))
-    await asyncio.sleep(0.01)
-    updating.cancel()
-    engine.gate.set()
-    with pytest.raises(asyncio.CancelledError):
-        await updating
-    for _ in range(100):
-        if engine.version == 1 and not engine._stopped:
-            break
-        await asyncio.sleep(0.01)
+    await _cancelled_mid_change(engine, engine.update_weights({"w": 1}, 1))
+    await _until(lambda: engine.version == 1 and not engine._stopped)
     assert engine.version == 1 and engine._pause_depth == 0 and engine.changes[-1] == ("done", False)

@@ -45,6 +45,15 @@ async def gateway(tiny_tokenizer, tmp_path):
         yield app, http, await start(http), saved
 
 
+def anthropic_messages(app, key: str):
+    """The anthropic SDK's messages resource over ``app`` (it brings its own httpx fork, httpx2)."""
+    transport = httpx2.ASGITransport(app=app)
+    client = anthropic.AsyncAnthropic(
+        base_url="http://gateway", api_key=key, http_client=httpx2.AsyncClient(transport=transport), max_retries=0
+    )
+    return client.messages
+
+
 async def ended(http, key: str, saved: list) -> dict:
     answer = await http.post("/rl/end_session", headers={"Authorization": f"Bearer {key}"})
     assert answer.status_code == 200, answer.text
@@ -78,10 +87,7 @@ async def test_an_anthropic_reply_sent_back_as_it_is_continues_the_session(gatew
     """The SDK's ToolUseBlock carries caller and toolset_name (null): a 422 before,
     whose message named the wrong branch of the content union."""
     app, http, key, saved = gateway
-    transport = httpx2.ASGITransport(app=app)
-    messages = anthropic.AsyncAnthropic(
-        base_url="http://gateway", api_key=key, http_client=httpx2.AsyncClient(transport=transport), max_retries=0
-    ).messages
+    messages = anthropic_messages(app, key)
     asked = [{"role": "user", "content": "hi"}]
     if streamed:
         async with messages.stream(model="tiny-random", max_tokens=64, messages=asked, tools=MESSAGES_TOOLS) as stream:
@@ -104,10 +110,7 @@ async def test_an_anthropic_reply_sent_back_as_it_is_continues_the_session(gatew
 
 async def test_what_the_messages_api_cannot_honour_is_named(gateway):
     app, http, key, _ = gateway
-    transport = httpx2.ASGITransport(app=app)
-    messages = anthropic.AsyncAnthropic(
-        base_url="http://gateway", api_key=key, http_client=httpx2.AsyncClient(transport=transport), max_retries=0
-    ).messages
+    messages = anthropic_messages(app, key)
     asked = [{"role": "user", "content": "hi"}]
     with pytest.raises(anthropic.BadRequestError, match="tools.0: unsupported field 'defer_loading'"):
         await messages.create(
