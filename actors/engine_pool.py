@@ -266,7 +266,7 @@ class PoolTenants:
             await to_its_end(self.refresh(timeout_s=0), "serving a pool run for a request")  # else: the watch
 
     async def stop(self) -> None:
-        if self._task is not None:  # awaited: an update under way is over (undone) before the engine goes
+        if self._task is not None:  # each follower's stop below waits for its update under way
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         for follower in self.followers.values():

@@ -172,12 +172,14 @@ class PolicyFollower:
     def __init__(self, engine, store, replica: str) -> None:
         self.engine, self.store, self.replica = engine, store, replica
         self._task: asyncio.Task | None = None
+        self._updating: asyncio.Future | None = None  # the update under way (it finishes if _task is cancelled)
 
     async def _catch_up(self, timeout_s: float) -> None:
         latest = await self.store.newer_than.remote(self.engine.version, timeout_s)
         if latest is not None:
             version, [weights] = latest
-            await self.engine.update_weights(await weights, version)
+            self._updating = asyncio.ensure_future(self.engine.update_weights(await weights, version))
+            await asyncio.shield(self._updating)
         await self.store.ack.remote(self.replica, self.engine.version)
 
     async def _follow(self) -> None:
@@ -195,7 +197,9 @@ class PolicyFollower:
         self._task = asyncio.create_task(self._follow())
 
     async def stop(self) -> None:
-        if self._task is not None:  # awaited: an update under way is over (undone) before the engine goes
+        if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._updating is not None:  # an update under way finishes before the engine may go
+            await asyncio.gather(self._updating, return_exceptions=True)
         await self.store.forget.remote(self.replica)

@@ -123,8 +123,7 @@ def train_worker(setup: dict) -> None:
     trainer = PolicyTrainer(model, optimizer, step_settings(settings), reference)
 
     if covered is not None:  # the driver may still wait for the step this checkpoint ended with
-        if rank != 0:  # the checkpoint holds rank 0's figures; its share is counted once
-            covered = {**covered, **dict.fromkeys(("loss", "trained_tokens", "stale_tokens_dropped"), 0.0)}
+        # the checkpoint holds rank 0's figures; the ranks' shards are alike in size, so they stand for each
         ray.get(channel.done_at_checkpoint.remote(index - 1, rank, covered))
     republisher = Republisher(policy) if rank == 0 else None
     while (command := ray.get(channel.fetch.remote(index)))["op"] != "stop":

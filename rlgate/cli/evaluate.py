@@ -62,7 +62,8 @@ def serve_model_of(config: RLGateConfig, model: str) -> str:
 def configured(args) -> RLGateConfig:
     from rlgate.config import load_config, with_changes
 
-    config = load_config(args.config)
+    # evaluating, not training: the checks of what training may play (held-out seeds) do not apply
+    config = with_changes(load_config(args.config), {"evaluation": {"every_n_iters": 0}}, args.config)
     no_source = {"task": {"builtin": None, "dataset": None, "reward": None}, "services": {"task_url": None}}
     if args.task is not None:
         config = with_changes(config, _merged(no_source, {"task": {"builtin": args.task}}), "--task")

@@ -152,6 +152,7 @@ class _Call:
 
     def __init__(self, method: str, url: str, headers: dict, repeatable: bool | None, done_status: int | None):
         self.method, self.url, self.done_status = method, url, done_status
+        self.maybe_done = False  # an attempt may have done it: answered 503, or its answer was lost
         if repeatable is None:
             repeatable = method in ("GET", "HEAD") or "Idempotency-Key" in headers
         self.repeatable = repeatable
@@ -183,12 +184,14 @@ class _Settings:
             # connection the server closed, a read cut short) only where the call may be made twice.
             unsent = isinstance(error, httpx.ConnectError | httpx.ConnectTimeout)
             if (unsent or (call.repeatable and isinstance(error, httpx.TransportError))) and attempt < self.max_retries:
+                call.maybe_done = call.maybe_done or not unsent
                 return None, _wait_s(attempt, None)
             return APIConnectionError(f"{call}: unreachable ({error.__class__.__name__}: {error})"), None
         status = answer.status_code
         if attempt < self.max_retries and (status == REFUSED_UNDONE or (status == 503 and call.repeatable)):
+            call.maybe_done = call.maybe_done or status == 503
             return None, _wait_s(attempt, answer)
-        if attempt > 0 and status == call.done_status:
+        if call.maybe_done and status == call.done_status:
             return {"message": f"{_refusal(answer).message} (retried: an earlier attempt most likely did it)"}, None
         if status >= 400:
             return _refusal(answer), None

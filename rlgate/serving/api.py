@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -23,13 +23,18 @@ class _Request(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_not_given(cls, data):
-        """A parameter sent as null takes its default, as OpenAI's and Anthropic's APIs
-        do: their SDKs send an optional parameter given as None that way (wrappers that
-        pass every parameter through do so all the time)."""
+        """A parameter sent as null is one not given, as OpenAI's and Anthropic's APIs
+        take it: their SDKs send an optional parameter given as None that way (wrappers
+        that pass every parameter through do so all the time). It takes its default,
+        except where null has a meaning of its own (a field that may be None)."""
         if isinstance(data, dict):
             fields = cls.model_fields
-            return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
+            return {k: v for k, v in data.items() if v is not None or (k in fields and _nullable(fields[k]))}
         return data
+
+
+def _nullable(field) -> bool:
+    return field.annotation is type(None) or type(None) in get_args(field.annotation)
 
 
 class TextPart(BaseModel):

@@ -506,11 +506,10 @@ def start_episodes(
     in an order of its own, not the stopped run's again."""
     task = config.task
     if task_app is not None:
-        # a resumed run starts past the seeds its steps trained on (not the stopped run's first ones again)
+        # a resumed run starts past the groups its steps trained on (not the stopped run's first seeds again)
         trained = first_step * (config.training.batch_size // config.training.group_size)
-        first_seed = config.task.seed_start + trained
         groups, run = task_app_episodes(
-            task_app, config, config.served_model_name, config.gateway.run_name, first_seed=first_seed
+            task_app, config, config.served_model_name, config.gateway.run_name, skip=trained
         )
     elif dataset is not None or task.builtin is not None:
         groups, run = builtin_episodes(

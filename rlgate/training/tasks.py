@@ -200,12 +200,12 @@ def builtin_episodes(
 
 
 def task_app_episodes(
-    app, config, model: str, run_id: str, mode: str = "rl", first_seed: int | None = None
+    app, config, model: str, run_id: str, mode: str = "rl", skip: int = 0
 ) -> tuple[Iterator[tuple[str, int]], Callable[[dict, int], Awaitable[float | tuple[float, list[float]]]]]:
     """``(groups, run)`` for :func:`play` against a task app (``rlgate.sdk.taskapp.TaskAppClient``):
-    a group per seed (``[task] seeds`` in turn, or ``first_seed`` (default ``[task]
-    seed_start``), ``first_seed + 1``, ...), training skipping the seeds ``[evaluation]``
-    holds out; each episode is one
+    a group per seed (``[task] seeds`` in turn, or ``[task] seed_start``, + 1, ...),
+    training skipping the seeds ``[evaluation]`` holds out, after the first ``skip``
+    groups (a resumed run's: those its steps trained on); each episode is one
     ``POST /rollout`` whose policy is the session's scoped inference URL. Its
     ``metrics.outcome_reward`` is the reward; ``metrics.event_rewards``, when
     given, are per-turn rewards on the session's completions in order."""
@@ -213,20 +213,16 @@ def task_app_episodes(
 
     task = config.task
     name = task.env_name or "task"
-    first_seed = task.seed_start if first_seed is None else first_seed
     env_config = {**task.env_config, **(config.evaluation.env_config if mode == "eval" else {})}
 
     held_out = set(config.evaluation.seeds) if mode == "rl" and config.evaluation.every_n_iters else set()
     player = secrets.token_hex(4)  # this driver's: a resumed run's groups never join the earlier run's
 
     def groups() -> Iterator[tuple[str, int]]:
-        if task.seeds:  # in turn, from where first_seed falls in them
-            start = (first_seed - task.seed_start) % len(task.seeds)
-            seeds = itertools.islice(itertools.cycle(task.seeds), start, None)
-        else:
-            seeds = itertools.count(first_seed)
+        seeds = itertools.cycle(task.seeds) if task.seeds else itertools.count(task.seed_start)
+        played = itertools.islice((seed for seed in seeds if seed not in held_out), skip, None)
         # each group its own task id: a seed played again (task seeds cycle) is a group of its own
-        for number, seed in enumerate(seed for seed in seeds if seed not in held_out):
+        for number, seed in enumerate(played):
             yield f"{name}-seed-{seed}.{player}-{number}", seed
 
     async def run(session: dict, seed: int) -> float:

@@ -292,3 +292,15 @@ def test_a_dropped_connection_is_retried_where_the_call_may_be_made_twice():
     assert sent == ["GET", "GET", "POST"]
     with pytest.raises(sdk.RLGateError, match="not a URL this client can call"):
         sdk.Client("http://localhost:8000x", ADMIN).list_jobs()
+
+
+def test_a_410_after_a_retry_counts_as_done_only_if_an_earlier_attempt_may_have_done_it():
+    """After a 429 (nothing done) a 410 means the session had already gone (ended
+    idle, or by someone else): that is the caller's to know, not "done"."""
+    answers = [
+        httpx.Response(429, headers={"Retry-After": "0"}),
+        httpx.Response(410, json={"error": {"message": "ended"}}),
+    ]
+    http = httpx.Client(transport=httpx.MockTransport(lambda request: answers.pop(0)))
+    with pytest.raises(sdk.GoneError):
+        sdk.Session.of_key("rlg-session", client=sdk.Client("http://gateway", ADMIN, http_client=http)).end()

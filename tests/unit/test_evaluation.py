@@ -114,6 +114,9 @@ def test_rlgate_eval_takes_its_episodes_and_model_from_flags_over_the_config(tmp
     assert config.services.task_url == "http://127.0.0.1:9000" and config.task.dataset is None
     with pytest.raises(ValueError, match="--threshold: evaluation.pass_threshold"):
         configured(argparse.Namespace(**{**flags, "threshold": float("nan")}))
+    config_file.write_text("[task]\nseeds = [0, 1]\n[evaluation]\nevery_n_iters = 5\nseeds = [7]\n")
+    config = configured(argparse.Namespace(**{**flags, "task_app": "http://127.0.0.1:9000", "seeds": ["0-3"]}))
+    assert config.evaluation.seeds == [0, 1, 2, 3]  # the training seeds may be evaluated: nothing trains here
     config_file.write_text('[task]\nbuiltin = "vowels"\n')
     with pytest.raises(ValueError, match="no seeds to evaluate: give --seeds"):
         configured(argparse.Namespace(**flags))

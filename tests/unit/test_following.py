@@ -137,3 +137,44 @@ def test_a_new_store_writes_its_version_over_a_stopped_runs_state_file(tmp_path)
     state.write_text('{"version": 12, "serving": {}}')
     store = Store(10, str(state))
     assert store.version == 10 and '"version": 10' in state.read_text()
+
+
+async def test_a_followers_stop_waits_for_the_update_under_way():
+    """An update runs to its end when its caller is cancelled; the follower's stop
+    returned while it was still loading, and the engine was shut down under it."""
+    from types import SimpleNamespace
+
+    from rlgate.actors.policy_store import PolicyFollower
+
+    order, loading = [], asyncio.Event()
+
+    class Engine:
+        version = 0
+
+        async def update_weights(self, weights, version):
+            loading.set()
+            await asyncio.sleep(0.2)
+            self.version = version
+            order.append("update finished")
+
+    async def newer_than(version, timeout_s):
+        if version == 0:
+            ready = asyncio.get_running_loop().create_future()
+            ready.set_result({"w": 1})
+            return 1, [ready]
+        await asyncio.sleep(timeout_s)
+
+    async def nothing(*args):
+        return None
+
+    store = SimpleNamespace(
+        newer_than=SimpleNamespace(remote=newer_than),
+        ack=SimpleNamespace(remote=nothing),
+        forget=SimpleNamespace(remote=nothing),
+    )
+    follower = PolicyFollower(Engine(), store, "replica-0")
+    follower._task = asyncio.ensure_future(follower._follow())
+    await loading.wait()
+    await follower.stop()
+    order.append("stop returned")
+    assert order == ["update finished", "stop returned"]

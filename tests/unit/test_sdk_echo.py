@@ -174,3 +174,16 @@ async def test_chat_parameters_sent_as_null_take_their_defaults(gateway):
     )
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert chunks and all(chunk.get("usage") is None for chunk in chunks)  # as OpenAI: usage only when asked for
+
+
+def test_null_means_not_given_except_where_null_has_a_meaning():
+    """/v1/completions' max_tokens null is vLLM's "up to the context": it became the
+    default 16. Unknown parameters sent as null are simply not given (not a 400)."""
+    from rlgate.serving import api
+
+    completion = api.CompletionRequest.model_validate({"model": "m", "prompt": "x", "max_tokens": None})
+    assert completion.max_tokens is None
+    chat = api.ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": None, "service_tier": None}
+    )
+    assert chat.temperature == 1.0 and api.unsupported_fields(chat) == []

@@ -98,8 +98,8 @@ def test_task_app_groups_skip_held_out_seeds_and_never_share_a_task_id():
     played = list(itertools.islice(groups, 4))
     assert [seed for _, seed in played] == [2, 4, 5, 6]
     assert len({task_id for task_id, _ in played}) == 4 and played[0][0].startswith("task-seed-2.")
-    resumed, _ = task_app_episodes(None, config, "m", "run", first_seed=10)
-    assert next(resumed)[1] == 10
+    resumed, _ = task_app_episodes(None, config, "m", "run", skip=16)  # its steps trained 16 groups
+    assert next(resumed)[1] == 19  # 2, 4, 5, ..., 18 were those: the held-out seeds are not counted
     evaluating, _ = task_app_episodes(None, config, "m", "run", mode="eval")
     assert next(evaluating)[1] == 0  # held out of training, not of evaluation
 
@@ -107,7 +107,7 @@ def test_task_app_groups_skip_held_out_seeds_and_never_share_a_task_id():
     groups, _ = task_app_episodes(None, cycling, "m", "run")
     again = list(itertools.islice(groups, 4))
     assert [seed for _, seed in again] == [7, 8, 7, 8] and len({task_id for task_id, _ in again}) == 4
-    groups, _ = task_app_episodes(None, cycling, "m", "run", first_seed=3)
+    groups, _ = task_app_episodes(None, cycling, "m", "run", skip=3)
     assert next(groups)[1] == 8  # the fourth group's seed
     from rlgate.config import ConfigError
 
