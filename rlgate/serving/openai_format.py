@@ -37,6 +37,8 @@ class TextStream:
     ``longest stop string - 1`` characters wait until it is clear they do not
     begin a stop string. ``finish(stop_reason)`` returns the rest, cut before a
     matched stop string. Everything returned concatenates to ``visible_text``.
+    Text is returned a whole token at a time, and :attr:`released` holds the
+    ids it came from (a parser that reads ids must see them in step with it).
 
     Each token costs a constant amount of work: fast tokenizers decode through
     ``tokenizers``' ``DecodeStream`` (a window of a few tokens, as vLLM's
@@ -52,7 +54,10 @@ class TextStream:
         self.dropped = set(tokenizer.all_special_ids) - keep if keep else set()
         self.ids: list[int] = []
         self.text = ""  # decoded so far (complete characters only)
+        self.ends: list[int] = []  # len(text) once each id of ids was decoded
         self.sent = 0
+        self.released: list[int] = []  # the ids whose text was returned by the last push or finish
+        self._released_upto = 0
         self.stops = [s for s in stops if s]
         self.hold = max((len(s) for s in stops), default=1) - 1
         self._decoder = DecodeStream(skip_special_tokens=not keep) if tokenizer.is_fast else None
@@ -61,13 +66,14 @@ class TextStream:
         if self._decoder is None:  # a slow tokenizer: decode everything again
             # a multi-byte character not yet complete waits for its next token
             self.text = visible_text(self.tokenizer, self.ids, None, self.keep).rstrip("\ufffd")
+            self.ends += [len(self.text)] * len(token_ids)
             return
         for token_id in token_ids:
-            if token_id in self.dropped:
-                continue
-            piece = self._decoder.step(self.tokenizer.backend_tokenizer, token_id)
-            if piece:  # None while a character is incomplete
-                self.text += piece
+            if token_id not in self.dropped:
+                piece = self._decoder.step(self.tokenizer.backend_tokenizer, token_id)
+                if piece:  # None while a character is incomplete
+                    self.text += piece
+            self.ends.append(len(self.text))
 
     def push(self, token_ids: list[int]) -> str:
         self.ids += token_ids
@@ -78,15 +84,22 @@ class TextStream:
             at = text.find(stop, self.sent)  # sent text holds no stop: the hold saw to that
             if at != -1:
                 safe = min(safe, at)
-        if safe <= self.sent:
+        # whole tokens only: the text goes out with the ids it came from, in step for the parsers
+        start = upto = self._released_upto
+        while upto < len(self.ids) and self.ends[upto] <= safe:
+            upto += 1
+        self.released, self._released_upto = self.ids[start:upto], upto
+        boundary = self.ends[upto - 1] if upto else 0
+        if boundary <= self.sent:
             return ""
-        delta, self.sent = text[self.sent : safe], safe
+        delta, self.sent = text[self.sent : boundary], boundary
         return delta
 
     def finish(self, stop_reason: str | int | None) -> str:
         text = visible_text(self.tokenizer, self.ids, stop_reason, self.keep)
         delta = text[self.sent :]
         self.sent = len(text)
+        self.released, self._released_upto = self.ids[self._released_upto :], len(self.ids)
         return delta
 
 

@@ -223,16 +223,19 @@ class Turn:
             async for chunk in chunks:
                 i = chunk.index
                 done[i].add(chunk)
+                # the parsers get the ids whose text they get: a stop string's hold delays both
                 text = texts[i].push(chunk.token_ids)
+                ids = texts[i].released
                 if chunk.finish_reason is not None:
                     text += texts[i].finish(chunk.stop_reason)
+                    ids = ids + texts[i].released
                 thought = ""
                 if thinking[i] is not None:
-                    thought, text = thinking[i].feed(text, chunk.token_ids)
+                    thought, text = thinking[i].feed(text, ids)
                     if chunk.finish_reason is not None:
                         held_thought, held_text = thinking[i].finish()
                         thought, text = thought + held_thought, text + held_text
-                pieces = calls_stream[i].feed(text, chunk.token_ids) if calls_stream[i] else [text]
+                pieces = calls_stream[i].feed(text, ids) if calls_stream[i] else [text]
                 logprobs = None
                 if self.request.logprobs:
                     logprobs = ChunkLogprobs(
@@ -253,12 +256,9 @@ class Turn:
                     rest = (content or "")[len(sent[i]) :]  # text the parser held back until the end
                     if rest:
                         yield self._chunk([ChunkChoice(index=i, delta=ChoiceDelta(content=rest))])
-                else:
-                    _, content, calls = self._answer(
-                        visible_text(
-                            self.g.tokenizer, completion.token_ids, completion.stop_reason, self.g.kept_special
-                        )
-                    )
+                else:  # recorded as sent: what the client sends back next turn (a parser's streamed
+                    # split may differ from its split of the whole text)
+                    content, calls = sent[i], []
                 interactions.append(self._interaction(completion, content, calls))
                 if calls:
                     yield self._chunk(

@@ -135,3 +135,57 @@ async def test_a_session_may_follow_the_template_instead(thinking, think_tokeniz
         tokenize=False,
     )
     assert second_prompt == think_tokenizer.encode(rendered, add_special_tokens=False)
+
+
+class Scripted:
+    """An engine whose every completion is ``answer``, a token at a time."""
+
+    def __init__(self, tokenizer, answer: str) -> None:
+        self.ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+    async def generate(self, prompt_ids, params, whole=False):
+        from rlgate.rollout.engines.base import TokenChunk
+
+        for k, token in enumerate(self.ids):
+            finish, stop = ("stop", token) if k == len(self.ids) - 1 else (None, None)
+            yield TokenChunk(
+                index=0, token_ids=[token], logprobs=[-0.5], versions=[0], finish_reason=finish, stop_reason=stop
+            )
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+async def test_a_stop_string_does_not_garble_streamed_reasoning(think_tokenizer, tmp_path, parser):
+    """With a stop string the stream held its last characters back but handed the
+    parser every token id at once: deepseek_r1 split the thinking at the wrong
+    place ("'>\\nLet me think'" as reasoning), unlike the same answer not streamed."""
+    engine = Scripted(think_tokenizer, "<think>\nLet me think.</think>\n\nThe answer is 42.")
+    app, _, _ = serving_app(engine, think_tokenizer, tmp_path, "tiny-think", reasoning_parser=parser)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as http:
+        agent = await session(http)
+        whole = (await agent.chat.completions.create(model="tiny-think", messages=ASK, stop=["##"])).choices[0]
+        stream = await agent.chat.completions.create(model="tiny-think", messages=ASK, stop=["##"], stream=True)
+        deltas = [chunk.choices[0].delta async for chunk in stream if chunk.choices]
+    assert (
+        whole.message.reasoning_content.strip() == "Let me think."
+        and whole.message.content.strip() == "The answer is 42."
+    )
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == whole.message.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == whole.message.content
+
+
+async def test_a_streamed_answer_is_recorded_as_sent_so_the_next_turn_continues_it(think_tokenizer, tmp_path):
+    """vLLM's qwen3 parser streams "<think>\n\n</think>..." with thinking off as
+    content without "</think>", but the record held its split of the whole text:
+    the next turn, which sends back what was streamed, started a new sequence."""
+    engine = Scripted(think_tokenizer, "<think>\n\n</think>\n\nThe answer is 42.")
+    app, _, saved = serving_app(engine, think_tokenizer, tmp_path, "tiny-think", reasoning_parser="qwen3")
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as http:
+        agent = await session(http)
+        stream = await agent.chat.completions.create(model="tiny-think", messages=ASK, stream=True, extra_body=off)
+        said = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+        history = [*ASK, {"role": "assistant", "content": said}, {"role": "user", "content": "And 12 + 30?"}]
+        await agent.chat.completions.create(model="tiny-think", messages=history, extra_body=off)
+        await end(agent)
+    [record] = saved  # one sequence: the second turn extended the first
+    assert len(record["interaction_ids"]) == 2
