@@ -89,7 +89,11 @@ def _call_from_object(obj: object) -> ToolCall | None:
             return None
     if not isinstance(args, dict):
         return None
-    return ToolCall(id=new_call_id(), name=name, arguments=json.dumps(args, ensure_ascii=False))
+    try:  # NaN and Infinity (1e999) parse, but are not JSON a client can read back
+        arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        return None
+    return ToolCall(id=new_call_id(), name=name, arguments=arguments)
 
 
 def _held_tag_prefix(text: str, start: int) -> int:
@@ -135,7 +139,8 @@ class _Scanner:
                 self.pos = body
             else:
                 out.append(call)
-                self.pos = text.find(CLOSE, body) + len(CLOSE)
+                close = text.find(CLOSE, body)
+                self.pos = close + len(CLOSE) if close >= 0 else len(text)  # unclosed: the last call
 
     def _block(self, body: int, final: bool) -> tuple[ToolCall | None, bool]:
         """(the call, whether decided) for the block whose text begins at ``body``."""
@@ -143,8 +148,11 @@ class _Scanner:
         close, reopen = text.find(CLOSE, body), text.find(OPEN, body)
         if close >= 0 and (reopen < 0 or close < reopen):
             return _call_from_json(text[body:close]), True
-        if reopen >= 0 or final:  # a block inside a block, or never closed
+        if reopen >= 0:  # a block inside a block
             return None, True
+        if final:  # never closed: a call when the rest is one (an agent's stop=["</tool_call>"]
+            # cuts the tag off), else text
+            return _call_from_json(text[body:]), True
         # Still open. Decide early only where no continuation can make it a
         # call, so that the text after the tag is not held back for nothing.
         first = body
@@ -170,8 +178,8 @@ class _Scanner:
 def _assemble(pieces: list[str | ToolCall]) -> ParsedOutput:
     calls = [piece for piece in pieces if isinstance(piece, ToolCall)]
     content = "".join(piece for piece in pieces if isinstance(piece, str))
-    if not calls:
-        return ParsedOutput(content=content, tool_calls=[])
+    if not calls:  # leading whitespace is not content (a reasoning model's "\n\n" after its thinking)
+        return ParsedOutput(content=content.lstrip(), tool_calls=[])
     return ParsedOutput(content=content.strip() or None, tool_calls=calls)
 
 
@@ -193,10 +201,9 @@ class HermesStream:
       begin a JSON object, the object is complete but not a call, or text
       other than ``</tool_call>`` follows it); broken JSON inside an open
       block is held until a tag or the end;
-    * trailing whitespace, which the final content strips if calls follow;
-    * all of it, when the text starts with whitespace and no call has been
-      seen yet: content is the text unchanged without calls, stripped with
-      them, and the two differ from the first character.
+    * trailing whitespace, which the final content strips if calls follow
+      (leading whitespace is never content: the stream starts at the first
+      other character).
 
     ``tool_calls`` lists the calls decided so far, for streaming them.
     """
@@ -241,10 +248,7 @@ class HermesStream:
             self._outside += piece
         if self._first < 0:
             return []
-        if self._has_calls:
-            self._sent = max(self._sent, self._first)
-        elif self._first > 0:  # leading whitespace: kept without calls, stripped with them
-            return []
+        self._sent = max(self._sent, self._first)
         if self._last <= self._sent:
             return []
         out = self._outside[self._sent : self._last]
@@ -275,8 +279,8 @@ class HermesToolParser:
     def parse(self, text: str, tools: list[dict] | None = None) -> ParsedOutput:
         """Content and calls of a whole output (``tools`` is not needed to read them).
 
-        With no calls, content is ``text`` unchanged; with calls, it is the
-        text outside them, stripped, or None if that is empty.
+        With no calls, content is ``text`` without its leading whitespace; with
+        calls, it is the text outside them, stripped, or None if that is empty.
         """
         return _assemble(_Scanner(text).advance(final=True))
 

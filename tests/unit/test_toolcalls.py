@@ -69,8 +69,8 @@ def test_non_ascii_arguments_stay_readable():
 
 
 @pytest.mark.parametrize("text", ["", "  plain answer, with spaces \n", "a < b and tool > c", "</tool_call> stray"])
-def test_plain_text_is_unchanged(text):
-    assert parser.parse(text) == ParsedOutput(content=text, tool_calls=[])
+def test_plain_text_is_unchanged_but_for_leading_whitespace(text):
+    assert parser.parse(text) == ParsedOutput(content=text.lstrip(), tool_calls=[])
 
 
 @pytest.mark.parametrize(
@@ -210,14 +210,16 @@ def test_stream_emits_content_as_it_becomes_final():
     assert [c.name for c in result.tool_calls] == ["f"]
 
 
-def test_stream_holds_leading_whitespace_until_it_knows():
+def test_stream_sends_content_from_its_first_character_that_is_not_whitespace():
+    """A reasoning model's content starts with "\n\n" after its thinking: held until
+    the end (it was content without calls, not with them), nothing streamed."""
     stream = parser.stream()
-    assert stream.feed("\n Hello") == []
-    assert stream.feed(" world") == []
-    assert stream.finish().content == "\n Hello world"
+    assert stream.feed("\n Hello") == ["Hello"]
+    assert stream.feed(" world") == [" world"]
+    assert stream.finish().content == "Hello world"
     stream = parser.stream()
-    assert stream.feed("\n Hello ") == []
-    assert stream.feed(render_call("f", {})) == ["Hello"]
+    assert stream.feed("\n Hello ") == ["Hello"]
+    assert stream.feed(render_call("f", {})) == []
     assert stream.feed(" more") == ["  more"]  # "Hello " + " more": the space before the call was interior
     stream.finish()
     with pytest.raises(RuntimeError):
@@ -263,7 +265,8 @@ texts = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=4)), max
 
 
 def reference(text: str) -> tuple[str | None, list[tuple[str, str]]]:
-    """The documented rule, written independently: innermost blocks, each a call or kept."""
+    """The documented rule, written independently: innermost blocks, each a call or kept;
+    a last block never closed is a call when the rest of the text is one."""
     block = re.compile(f"{re.escape(OPEN)}((?:(?!{re.escape(OPEN)}|{re.escape(CLOSE)}).)*){re.escape(CLOSE)}", re.S)
     calls, content, last = [], [], 0
     for match in block.finditer(text):
@@ -272,9 +275,16 @@ def reference(text: str) -> tuple[str | None, list[tuple[str, str]]]:
             content.append(text[last : match.start()])
             calls.append(call)
             last = match.end()
+    tail = text.rfind(OPEN)  # a last block never closed: a call if the rest of the text is one
+    if tail >= last and CLOSE not in text[tail:]:
+        call = reference_call(text[tail + len(OPEN) :])
+        if call is not None:
+            content.append(text[last:tail])
+            calls.append(call)
+            last = len(text)
     content.append(text[last:])
     if not calls:
-        return text, []
+        return text.lstrip(), []
     return "".join(content).strip() or None, calls
 
 
@@ -291,7 +301,12 @@ def reference_call(inner: str) -> tuple[str, str] | None:
             args = json.loads(args)
         except ValueError:
             return None
-    return (obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
+    if not isinstance(args, dict):
+        return None
+    try:
+        return obj["name"], json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # NaN, Infinity: not JSON
+        return None
 
 
 @PROPERTY
@@ -300,11 +315,11 @@ def test_parse_never_raises_and_loses_nothing(text):
     parsed = parser.parse(text)
     assert without_ids(parsed) == reference(text)
     if not parsed.tool_calls:
-        assert parsed.content == text
+        assert parsed.content == text.lstrip()
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=8,
 )
@@ -325,7 +340,7 @@ def test_rendered_calls_come_back_in_order(calls, data):
     parsed = parser.parse(text)
     assert calls_of(parsed) == calls
     expected = "".join(around)
-    assert parsed.content == ((expected.strip() or None) if calls else expected)
+    assert parsed.content == ((expected.strip() or None) if calls else expected.lstrip())
 
 
 def splits(text: str):
@@ -377,3 +392,18 @@ def test_stream_holds_an_open_call_until_it_closes():
     assert stream.feed("call>") == []
     assert [(c.name, c.arguments) for c in stream.tool_calls] == [("f", '{"s": "}"}')]
     assert without_ids(stream.finish()) == ("Hi", [("f", '{"s": "}"}')])
+
+
+def test_arguments_that_are_not_json_make_no_call():
+    """1e999 and NaN parse in Python, and came out as Infinity/NaN: not JSON."""
+    for value in ("1e999", "NaN"):
+        text = f'<tool_call>{{"name": "f", "arguments": {{"x": {value}}}}}</tool_call>'
+        assert parser.parse(text).tool_calls == []
+
+
+def test_a_last_call_whose_end_tag_a_stop_string_cut_off_is_still_a_call():
+    """An agent that stops after one call (stop=["</tool_call>"]) gets the text
+    without the end tag: it was content, the call lost."""
+    parsed = parser.parse('Checking.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n')
+    assert calls_of(parsed) == [("f", {"a": 1})] and parsed.content == "Checking."
+    assert parser.parse('<tool_call>{"name": "f", "arguments": {"a": 1}} and more').tool_calls == []
