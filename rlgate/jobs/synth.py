@@ -369,8 +369,9 @@ def _map_compute(m: _Mapper) -> None:
     for_vllm = m.get("topology", "gpus_for_vllm")
     for_training = m.get("topology", "gpus_for_training")
     m.put("rollout", "tensor_parallel_size", m.get("topology", "tensor_parallel"))
-    if gpu_type is not None and str(gpu_type).lower() == "cpu" or gpus == 0:
-        if for_vllm or for_training or (gpu_type is not None and str(gpu_type).lower() != "cpu"):
+    on_cpu = gpu_type is not None and str(gpu_type).lower() == "cpu"  # then [topology]'s GPUs mean nothing
+    if on_cpu or gpus == 0:
+        if not on_cpu and (for_vllm or for_training or gpu_type is not None):
             m.refuse(
                 "compute.gpu_count",
                 "GPUs are asked for ([compute] gpu_type or [topology] gpus_for_*) but compute.gpu_count is "

@@ -325,3 +325,6 @@ def test_what_would_silently_change_a_synth_run_is_refused(section, says):
         data[name] = {**data.get(name, {}), **values}
     with pytest.raises(ConfigError, match=says):
         parse_config(data)
+    if "topology" in section:  # on the CPU, by its own word, the topology's GPUs mean nothing
+        cpu = parse_config({**data, "compute": {"gpu_type": "cpu", "gpu_count": 1}})
+        assert cpu.compute.gpus_per_worker == 0
