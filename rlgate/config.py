@@ -619,7 +619,8 @@ class RLGateConfig(_Section):
             raise ValueError(
                 "every [task] seed is one of the [evaluation] seeds held out of training: nothing would be trained on"
             )
-        if self.task.max_tokens > self.gateway.max_completion_tokens:
+        plays = self.task.builtin is not None or self.task.dataset is not None  # [task] max_tokens is theirs
+        if plays and self.task.max_tokens > self.gateway.max_completion_tokens:
             raise ValueError(
                 f"[task] max_tokens ({self.task.max_tokens}) is more than the gateway allows a request "
                 f"([gateway] max_completion_tokens {self.gateway.max_completion_tokens}): every episode's "

@@ -91,6 +91,7 @@ def test_changes_are_checked_once_over_the_whole_tree():
     with pytest.raises(ConfigError, match=r"\[task\] max_tokens \(8192\) is more than the gateway allows"):
         with_changes(dataset, {"task": {"max_tokens": 8192}})
     assert with_changes(dataset, {"task": {"max_tokens": 8192}, "gateway": {"max_completion_tokens": 8192}})
+    assert parse_config({"gateway": {"max_completion_tokens": 8}})  # nothing plays [task] max_tokens here
     with pytest.raises(ConfigError, match="a run's trainer has GPUs of its own, and its pushes go by file"):
         with_changes(dataset, {"rollout": {"weight_sync": "ipc"}})
     colocated = parse_config({"gateway": {"colocate": True}, "rollout": {"replicas": 2}})
