@@ -64,16 +64,21 @@ def configured(args) -> RLGateConfig:
 
     # evaluating, not training: the checks of what training may play (held-out seeds) do not apply
     config = with_changes(load_config(args.config), {"evaluation": {"every_n_iters": 0}}, args.config)
-    no_source = {"task": {"builtin": None, "dataset": None, "reward": None}, "services": {"task_url": None}}
+    # one task source replaces another: the others' keys go with it
+    other_sources = {"builtin": None, "dataset": None, "reward": None}
     if args.task is not None:
-        config = with_changes(config, _merged(no_source, {"task": {"builtin": args.task}}), "--task")
+        changed = {"task": {**other_sources, "builtin": args.task}, "services": {"task_url": None}}
+        config = with_changes(config, changed, "--task")
     if args.dataset is not None:
         if args.reward is None:
             raise ValueError("--dataset needs --reward MODULE:FUNCTION (or FILE.py:FUNCTION)")
-        dataset = {"task": {"dataset": args.dataset, "reward": args.reward}}
-        config = with_changes(config, _merged(no_source, dataset), "--dataset")
+        changed = {
+            "task": {**other_sources, "dataset": args.dataset, "reward": args.reward},
+            "services": {"task_url": None},
+        }
+        config = with_changes(config, changed, "--dataset")
     if args.task_app is not None:
-        config = with_changes(config, _merged(no_source, {"services": {"task_url": args.task_app}}), "--task-app")
+        config = with_changes(config, {"task": other_sources, "services": {"task_url": args.task_app}}, "--task-app")
     seeds = seeds_of(args.seeds) if args.seeds else None
     for flag, key, value in (
         ("--seeds", "seeds", seeds),
@@ -85,10 +90,6 @@ def configured(args) -> RLGateConfig:
     if not config.evaluation.seeds:
         raise ValueError("no seeds to evaluate: give --seeds (e.g. 0-31) or [evaluation] seeds")
     return config
-
-
-def _merged(base: dict[str, dict], more: dict[str, dict]) -> dict[str, dict]:
-    return {section: {**base.get(section, {}), **more.get(section, {})} for section in base.keys() | more.keys()}
 
 
 def run_eval(args) -> int:
