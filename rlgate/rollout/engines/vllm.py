@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlgate.background import to_its_end
-from rlgate.rollout.engines import reaper
+from rlgate.rollout.engines import quiet_waits, reaper
 from rlgate.rollout.engines.base import (
     Engine,
     EngineInputError,
@@ -175,6 +175,7 @@ class VLLMEngine(Engine):
         if not torch.cuda.is_available():
             for key, value in cpu_environment_defaults().items():
                 os.environ.setdefault(key, value)
+            os.environ.setdefault(quiet_waits.QUIET_ENV, "1")  # the engine's processes wait without spinning
             kwargs.update(cpu_engine_overrides(kwargs["max_model_len"], self.cpu_kv_cache_gib))
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
