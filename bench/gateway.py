@@ -2,7 +2,7 @@
 OpenAI server on the same model, prompts, max_tokens and concurrency, in one run.
 
     python bench/gateway.py [--model smollm2-135m-instruct] [--concurrency 1 8 32] [--requests 4]
-                            [--stream] [--colocate] [--direct]
+                            [--stream] [--colocate] [--direct] [--peer-logprobs]
 
 Each of ``c`` concurrent clients sends ``--requests`` chat completions back to
 back (greedy, so both servers generate the same tokens). Through rlgate each
@@ -12,7 +12,9 @@ requests/s, p50/p99 latency and the ratio rlgate/vLLM. The two servers run one
 after the other, never together. ``--stream`` streams every answer (tokens
 from the final usage chunk; the time to the first content chunk is reported
 too); ``--colocate`` and ``--direct`` run
-rlgate with ``[gateway] colocate`` and ``direct_port``.
+rlgate with ``[gateway] colocate`` and ``direct_port``. ``--peer-logprobs``
+has vLLM's clients ask for the sampled tokens' logprobs, as an RL client of
+``vllm serve`` must (rlgate's engine computes them for every turn it records).
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-async def drive(base_url: str, keys: list[str], model: str, requests: int, max_tokens: int, stream: bool = False):
+async def drive(
+    base_url: str, keys: list[str], model: str, requests: int, max_tokens: int, stream: bool = False, logprobs=False
+):
     """Run len(keys) clients concurrently; return (latencies, seconds, completion tokens,
     CPU-seconds the servers spent per process, times to the first streamed token)."""
     latencies: list[float] = []
@@ -75,6 +79,8 @@ async def drive(base_url: str, keys: list[str], model: str, requests: int, max_t
         for r in range(requests):
             question = QUESTIONS[(index + r) % len(QUESTIONS)]
             body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens}
+            if logprobs:
+                body["logprobs"] = True
             started = time.perf_counter()
             if stream:
                 first, usage = None, None
@@ -163,11 +169,13 @@ def vllm_server(model_path: Path):
         server.wait(timeout=60)
 
 
-def bench_vllm_server(model_path: Path, levels, requests, max_tokens, stream: bool = False) -> dict:
+def bench_vllm_server(model_path: Path, levels, requests, max_tokens, stream=False, logprobs=False) -> dict:
     with vllm_server(model_path) as url:
         asyncio.run(drive(f"{url}/v1", ["none"], "bench", 1, 4))  # warm-up
         return {
-            c: summarise(*asyncio.run(drive(f"{url}/v1", ["none"] * c, "bench", requests, max_tokens, stream)))
+            c: summarise(
+                *asyncio.run(drive(f"{url}/v1", ["none"] * c, "bench", requests, max_tokens, stream, logprobs))
+            )
             for c in levels
         }
 
@@ -257,19 +265,25 @@ def main() -> None:
     parser.add_argument("--stream", action="store_true", help="stream every answer (SSE)")
     parser.add_argument("--colocate", action="store_true", help="[gateway] colocate: the engine in the gateway replica")
     parser.add_argument("--direct", action="store_true", help="[gateway] direct_port: skip Serve's proxy")
+    parser.add_argument(
+        "--peer-logprobs",
+        action="store_true",
+        help="vLLM's clients ask for logprobs, as an RL client of vllm serve must (rlgate records them anyway)",
+    )
     args = parser.parse_args()
 
     from rich.console import Console
     from rich.table import Table
 
     path = prepare_model(args.model)
-    peer = bench_vllm_server(path, args.concurrency, args.requests, args.max_tokens, args.stream)
+    peer = bench_vllm_server(path, args.concurrency, args.requests, args.max_tokens, args.stream, args.peer_logprobs)
     ours = bench_rlgate(
         args.model, args.concurrency, args.requests, args.max_tokens, args.stream, args.colocate, args.direct
     )
     expected = sum(args.concurrency) * args.requests + 1  # + the warm-up session
     shape = ("streamed" if args.stream else "whole") + (", colocated" if args.colocate else "")
     shape += ", direct port" if args.direct else ""
+    shape += ", peer with logprobs" if args.peer_logprobs else ""
     table = Table(
         title=f"chat completions ({shape}), {args.model}, max_tokens={args.max_tokens}, greedy, {os.cpu_count()} CPUs"
     )
