@@ -123,6 +123,7 @@ def vllm_server(model_path: Path):
     yields its base URL (served model name ``bench``)."""
     import torch
 
+    from rlgate.config import RolloutConfig
     from rlgate.rollout.engines.vllm import cpu_environment_defaults
 
     port = free_port()
@@ -148,6 +149,8 @@ def vllm_server(model_path: Path):
     if not torch.cuda.is_available():
         env.update({k: v for k, v in cpu_environment_defaults().items() if k not in env})
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        # rlgate's engine computes on the CPUs its replica reserves (Ray sets OMP_NUM_THREADS to them): as many here
+        env.setdefault("OMP_NUM_THREADS", str(max(1, int(RolloutConfig().num_cpus))))
         command += ["--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048"]
     log = tempfile.NamedTemporaryFile(prefix="vllm-serve-", suffix=".log", delete=False)
     server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)

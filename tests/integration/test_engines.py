@@ -241,7 +241,7 @@ if __name__ == "__main__":
 @needs_vllm
 def test_a_killed_engine_owner_takes_its_vllm_processes_with_it(tiny_path, tmp_path):
     """SIGKILL the process that owns a vLLM engine (as a crashed replica or `ray stop
-    --force` does): vLLM's engine core and worker processes end too, instead of
+    --force` does): vLLM's engine core (and any worker) processes end too, instead of
     holding their memory and cores as orphans (rlgate.rollout.engines.reaper)."""
     import subprocess
     import sys
@@ -256,7 +256,7 @@ def test_a_killed_engine_owner_takes_its_vllm_processes_with_it(tiny_path, tmp_p
         lines = iter(owner.stdout.readline, "")  # vLLM logs on stdout too
         assert "ready" in (line.strip() for line in lines), "the engine did not start"
         engine = [p for p in psutil.Process(owner.pid).children(recursive=True) if "VLLM::" in " ".join(p.cmdline())]
-        assert len(engine) >= 2  # the engine core and its worker
+        assert engine, "no vLLM process below the engine's owner"  # its engine core (and workers where sharded)
     finally:
         owner.kill()
         owner.wait()
