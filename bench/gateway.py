@@ -123,7 +123,6 @@ def vllm_server(model_path: Path):
     yields its base URL (served model name ``bench``)."""
     import torch
 
-    from rlgate.config import RolloutConfig
     from rlgate.rollout.engines.vllm import cpu_environment_defaults
 
     port = free_port()
@@ -149,8 +148,7 @@ def vllm_server(model_path: Path):
     if not torch.cuda.is_available():
         env.update({k: v for k, v in cpu_environment_defaults().items() if k not in env})
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-        # rlgate's engine computes on the CPUs its replica reserves (Ray sets OMP_NUM_THREADS to them): as many here
-        env.setdefault("OMP_NUM_THREADS", str(max(1, int(RolloutConfig().num_cpus))))
+        env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)  # rlgate's engine computes on every core
         command += ["--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048"]
     log = tempfile.NamedTemporaryFile(prefix="vllm-serve-", suffix=".log", delete=False)
     server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)

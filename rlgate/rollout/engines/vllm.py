@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlgate.background import to_its_end
-from rlgate.rollout.engines import quiet_waits, reaper
+from rlgate.rollout.engines import reaper
 from rlgate.rollout.engines.base import (
     Engine,
     EngineInputError,
@@ -68,12 +68,8 @@ def cpu_environment_defaults() -> dict[str, str]:
       to start (an engine is ready ~6 s sooner: 12 against 18 s on
       tiny-random, 15 against 22 on SmolLM2) and no hand-over of every step
       between two processes (1.7x the tokens/s of one request at a time on
-      tiny-random, 5-10% more at 64; bench/README.md). The model then computes
-      on as many threads as the engine's process may use: ``OMP_NUM_THREADS``,
-      which Ray sets to the CPUs a replica reserves (``[rollout] num_cpus``),
-      where a worker process would have taken every core in
-      ``VLLM_CPU_OMP_THREADS_BIND`` whatever its replica reserved. A sharded
-      engine (``tensor_parallel_size`` > 1) keeps its workers and that binding.
+      tiny-random, 5-10% more at 64; bench/README.md). A sharded engine
+      (``tensor_parallel_size`` > 1) keeps its workers.
     """
     cores = os.cpu_count() or 1
     return {
@@ -188,16 +184,26 @@ class VLLMEngine(Engine):
         if kwargs["enforce_eager"] is None:
             # CUDA graphs pay off on a GPU; on CPU compiling only slows start-up.
             kwargs["enforce_eager"] = not torch.cuda.is_available()
+        threads = os.environ.get("OMP_NUM_THREADS")
         if not torch.cuda.is_available():
             for key, value in cpu_environment_defaults().items():
                 os.environ.setdefault(key, value)
-            os.environ.setdefault(quiet_waits.QUIET_ENV, "1")  # the engine's processes wait without spinning
             kwargs.update(cpu_engine_overrides(kwargs["max_model_len"], self.cpu_kv_cache_gib))
+            # The model computes in the engine core's process, which inherits OMP_NUM_THREADS from this one (in a
+            # replica, Ray's: the CPUs it reserves). It computes on every core, as vLLM's worker process did
+            # (bound to VLLM_CPU_OMP_THREADS_BIND): set for the engine core's start only.
+            os.environ["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ[reaper.OWNER_ENV] = str(os.getpid())  # its processes end with this one (reaper)
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        try:
+            self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        finally:
+            if threads is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = threads
         await self._llm.update_weight_version(str(self.version))
         if self._initial_adapter is not None:
             await self._add_adapter(Path(self._initial_adapter), self.version)
