@@ -392,6 +392,10 @@ class VllmToolStream:
         whole = self.owner._extract(self.text, self.request)
         if not whole.tool_calls:
             return whole
+        if self.sent.strip() and self.sent.strip() == self.text.strip():
+            # vLLM's streaming parser let the whole answer through as text, where its whole-text parser reads a
+            # call (llama3_json: words, then the JSON): the client has it as content, as vLLM's server streams it
+            return ParsedOutput(content=self.sent, tool_calls=[])
         return ParsedOutput(content=self.sent if self.sent.strip() else None, tool_calls=whole.tool_calls)
 
 

@@ -176,6 +176,29 @@ def test_vllms_parsers_read_their_family_whole_and_streamed(name, tools_tokenize
     assert (plain.content, plain.tool_calls) == ("No call here.", [])
 
 
+def test_an_answer_streamed_whole_as_text_is_not_also_a_call():
+    """llama3_json reads a call in words followed by the JSON only in the whole text;
+    streamed, it lets all of it through as content. The client has text, so the
+    streamed answer is that text alone, as vLLM's server streams it, not the text
+    and a call too."""
+    from transformers import AutoTokenizer
+
+    from rlgate.models import prepare_model
+
+    tokenizer = AutoTokenizer.from_pretrained(prepare_model("tiny-random"))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|python_tag|>"]})  # the parser's marker
+    parser = get_parser("llama3_json", tokenizer)
+    call = '{"name": "calc", "parameters": {"expression": "6 * 7"}}'
+    for text, calls in ((f"Sure. {call}", []), (call, [("calc", {"expression": "6 * 7"})])):
+        stream, sent = parser.stream([CALC]), []
+        for token in tokenizer.encode(text, add_special_tokens=False):
+            sent += stream.feed(tokenizer.decode([token]), [token])
+        streamed = stream.finish()
+        assert calls_of(streamed) == calls, text
+        assert (streamed.content or "") == "".join(sent) == ("" if calls else text)
+    assert calls_of(parser.parse(f"Sure. {call}", [CALC])) == [("calc", {"expression": "6 * 7"})]  # whole: a call
+
+
 def test_rlgates_hermes_keeps_what_vllms_drops(tools_tokenizer):
     """Measured on the same output: text after a call stays in rlgate's content;
     vLLM's Hermes parser drops it. So `hermes` is rlgate's own."""
