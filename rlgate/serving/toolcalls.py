@@ -373,6 +373,12 @@ class VllmToolStream:
         self.text, self.ids, self.sent = "", [], ""
 
     def feed(self, delta: str, delta_ids: list[int] = ()) -> list[str]:
+        if not self.text:
+            # Leading whitespace is never the answer's (as for Hermes), and vLLM's streaming parsers look for a
+            # call at the text's very start (llama3_json: "{"), where their whole-text parsers search all of it.
+            delta = delta.lstrip()
+            if not delta:
+                return []
         previous_text, previous_ids = self.text, self.ids
         self.text, self.ids = previous_text + delta, previous_ids + list(delta_ids)
         if not delta:

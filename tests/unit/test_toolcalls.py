@@ -180,7 +180,7 @@ def test_an_answer_streamed_whole_as_text_is_not_also_a_call():
     """llama3_json reads a call in words followed by the JSON only in the whole text;
     streamed, it lets all of it through as content. The client has text, so the
     streamed answer is that text alone, as vLLM's server streams it, not the text
-    and a call too."""
+    and a call too. Whitespace before the JSON is not words: that is a call, streamed too."""
     from transformers import AutoTokenizer
 
     from rlgate.models import prepare_model
@@ -189,7 +189,8 @@ def test_an_answer_streamed_whole_as_text_is_not_also_a_call():
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|python_tag|>"]})  # the parser's marker
     parser = get_parser("llama3_json", tokenizer)
     call = '{"name": "calc", "parameters": {"expression": "6 * 7"}}'
-    for text, calls in ((f"Sure. {call}", []), (call, [("calc", {"expression": "6 * 7"})])):
+    expected = [("calc", {"expression": "6 * 7"})]
+    for text, calls in ((f"Sure. {call}", []), (call, expected), (f"\n {call}", expected)):
         stream, sent = parser.stream([CALC]), []
         for token in tokenizer.encode(text, add_special_tokens=False):
             sent += stream.feed(tokenizer.decode([token]), [token])
