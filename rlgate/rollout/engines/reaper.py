@@ -1,7 +1,8 @@
 """vLLM's engine processes end with the process that owns the engine.
 
-vLLM runs its engine core, and the core its workers, in processes of their
-own. When the process that owns the engine is killed (a SIGKILLed replica,
+vLLM runs its engine core, and the core its workers where it has them (a
+GPU or sharded engine; a one-shard CPU engine computes in the core), in
+processes of their own. When the process that owns the engine is killed (a SIGKILLed replica,
 ``ray stop --force``) they are orphaned and keep their memory and cores: they
 were still there minutes later. rlgate registers :func:`register` as a vLLM
 general plugin (``pyproject.toml``, group ``vllm.general_plugins``), which

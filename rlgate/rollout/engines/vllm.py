@@ -80,6 +80,24 @@ def cpu_environment_defaults() -> dict[str, str]:
     }
 
 
+def engine_threads() -> int:
+    """The threads a one-process CPU engine computes on: as many as the CPUs in
+    ``VLLM_CPU_OMP_THREADS_BIND`` (the first shard's, ``0-3`` or ``0,2,4-5``),
+    which vLLM reads only to bind a worker process's threads; where it names
+    none (``auto``, ``nobind``), every CPU this process may run on."""
+    count = 0
+    try:
+        for part in os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").split("|")[0].split(","):
+            low, _, high = part.partition("-")
+            count += int(high or low) - int(low) + 1
+    except ValueError:
+        count = 0
+    if count > 0:
+        return count
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
 CPU_SHUTDOWN_GRACE_S = 1.0  # how long a CPU engine core may take to exit before it is killed
 
 
@@ -185,21 +203,23 @@ class VLLMEngine(Engine):
             # CUDA graphs pay off on a GPU; on CPU compiling only slows start-up.
             kwargs["enforce_eager"] = not torch.cuda.is_available()
         threads = os.environ.get("OMP_NUM_THREADS")
+        one_process = False
         if not torch.cuda.is_available():
             for key, value in cpu_environment_defaults().items():
                 os.environ.setdefault(key, value)
             kwargs.update(cpu_engine_overrides(kwargs["max_model_len"], self.cpu_kv_cache_gib))
-            # The model computes in the engine core's process, which inherits OMP_NUM_THREADS from this one (in a
-            # replica, Ray's: the CPUs it reserves). It computes on every core, as vLLM's worker process did
-            # (bound to VLLM_CPU_OMP_THREADS_BIND): set for the engine core's start only.
-            os.environ["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        os.environ[reaper.OWNER_ENV] = str(os.getpid())  # its processes end with this one (reaper)
+            one_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and kwargs["tensor_parallel_size"] == 1
         try:
+            if one_process:
+                # The model computes in the engine core's process, which inherits OMP_NUM_THREADS from this one (in
+                # a replica, Ray's: the CPUs it reserves): as many threads as vLLM's worker process had instead.
+                os.environ["OMP_NUM_THREADS"] = str(engine_threads())
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            os.environ[reaper.OWNER_ENV] = str(os.getpid())  # its processes end with this one (reaper)
             self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-        finally:
+        finally:  # set for the engine core's start only
             if threads is None:
                 os.environ.pop("OMP_NUM_THREADS", None)
             else:
@@ -218,9 +238,9 @@ class VLLMEngine(Engine):
         if self._llm is not None:
             import torch
 
-            # vLLM-CPU's engine core takes ~5 s to exit after SIGTERM (its worker ~3 s, then interpreter
-            # teardown), and vLLM waits that long before a SIGKILL: on CPU, where a kill frees everything,
-            # wait 1 s (the core's worker follows its parent). A GPU keeps vLLM's own grace.
+            # vLLM-CPU's engine core takes ~5 s to exit after SIGTERM (a worker process, where it has one, ~3 s,
+            # then interpreter teardown), and vLLM waits that long before a SIGKILL: on CPU, where a kill frees
+            # everything, wait 1 s (a worker follows its parent). A GPU keeps vLLM's own grace.
             self._llm.shutdown(timeout=None if torch.cuda.is_available() else CPU_SHUTDOWN_GRACE_S)
             self._llm = None
         if self.lora_rank is not None:

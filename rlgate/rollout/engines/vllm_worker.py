@@ -1,9 +1,9 @@
-"""Methods rlgate adds to vLLM's worker processes (``worker_extension_cls``).
+"""Methods rlgate adds to vLLM's workers (``worker_extension_cls``).
 
 vLLM mixes this class into its worker class, so ``self`` is the worker; the
 engine reaches these methods through ``AsyncLLM.collective_rpc``. This module
-is imported inside vLLM's worker processes and must not import rlgate's
-heavier modules.
+is imported inside vLLM's worker processes (the engine core's, for a
+one-shard CPU engine) and must not import rlgate's heavier modules.
 """
 
 from __future__ import annotations
