@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -95,8 +96,8 @@ def cluster(tmp_path_factory):
         ]
         command = [str(BIN / "ray"), "start", "--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats"]
         command += ["--num-cpus=2", "--num-gpus=0", f"--resources={json.dumps(resources)}", *own, *args]
-        with open(logs / f"{name}.log", "w") as out:
-            return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        with open(logs / f"{name}.log", "w") as out:  # a process group of its own: the node's, ended at once below
+            return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     head = node(
         "head",
@@ -124,14 +125,33 @@ def cluster(tmp_path_factory):
         wait_for("two nodes", lambda: sum(n["state"] == "ALIVE" for n in running.state("nodes")) == 2, 120)
         yield running
     finally:
-        for process in processes:  # `ray start --block` stops its node's processes on SIGTERM (both at once)
-            process.terminate()
+        # A node's GCS, raylet and agents are in its `ray start`'s process group: killed together at once (a
+        # SIGTERM to `ray start --block` stops them gracefully in ~30 s). Its workers, each in a group of its
+        # own, end when their raylet does, and the engines below them with their worker (the reaper): every
+        # process below the nodes must be gone before the next module starts.
+        import psutil
+
+        below = []
         for process in processes:
             try:
-                process.wait(timeout=60)  # killed sooner, it leaves its agents running
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+                below += psutil.Process(process.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
+        for process in processes:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
+
+        def running(process: psutil.Process) -> bool:
+            try:
+                return process.status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return False
+
+        left = lambda: [p for p in below if running(p)]  # noqa: E731
+        wait_for("the nodes' processes to end", lambda: not left(), 60, context=lambda: str(left()))
         shutil.rmtree(temp, ignore_errors=True)
 
 
