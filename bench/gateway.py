@@ -123,7 +123,7 @@ def vllm_server(model_path: Path):
     yields its base URL (served model name ``bench``)."""
     import torch
 
-    from rlgate.rollout.engines.vllm import cpu_environment_defaults
+    from rlgate.rollout.engines.vllm import cpu_environment_defaults, engine_threads
 
     port = free_port()
     env = dict(os.environ)
@@ -148,7 +148,7 @@ def vllm_server(model_path: Path):
     if not torch.cuda.is_available():
         env.update({k: v for k, v in cpu_environment_defaults().items() if k not in env})
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-        env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)  # rlgate's engine computes on every core
+        env["OMP_NUM_THREADS"] = str(engine_threads())  # as many threads as rlgate's engine computes on
         command += ["--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048"]
     log = tempfile.NamedTemporaryFile(prefix="vllm-serve-", suffix=".log", delete=False)
     server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)

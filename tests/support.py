@@ -216,6 +216,16 @@ def synth_ai_env(folder: Path) -> dict:
     }
 
 
+def alive(process) -> bool:
+    """Whether a ``psutil.Process`` still runs: a zombie has ended (its new parent may never reap it)."""
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def lines(path: Path) -> list[dict]:
     """The JSON lines of a file (metrics.jsonl, batches.jsonl, a trajectory segment)."""
     import json

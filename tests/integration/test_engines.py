@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from rlgate.rollout.engines import SamplingParams, collect
-from tests.support import assert_same_greedy, needs_vllm
+from tests.support import alive, assert_same_greedy, needs_vllm
 
 EOS = 2  # <|im_end|> in tiny-random
 
@@ -261,13 +261,7 @@ def test_a_killed_engine_owner_takes_its_vllm_processes_with_it(tiny_path, tmp_p
         owner.kill()
         owner.wait()
 
-    def running(process: psutil.Process) -> bool:  # a zombie has ended (its new parent may never reap it)
-        try:
-            return process.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
     deadline = time.monotonic() + 120  # they go within seconds; the margin is for a loaded machine
-    while any(running(p) for p in engine) and time.monotonic() < deadline:
+    while any(alive(p) for p in engine) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not [p.cmdline() for p in engine if running(p)]
+    assert not [p.cmdline() for p in engine if alive(p)]

@@ -26,7 +26,7 @@ import yaml
 
 from rlgate.config import load_config
 from rlgate.training.placement import ROLLOUT_RESOURCE, TRAINER_RESOURCE
-from tests.support import ROOT, free_port, free_ports, lines
+from tests.support import ROOT, alive, free_port, free_ports, lines
 
 BIN = Path(sys.executable).parent  # the ray and serve commands of this environment
 ADMIN_KEY = "cluster-test-admin-key-0123456789"
@@ -144,13 +144,7 @@ def cluster(tmp_path_factory):
                 pass
             process.wait()
 
-        def running(process: psutil.Process) -> bool:
-            try:
-                return process.status() != psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                return False
-
-        left = lambda: [p for p in below if running(p)]  # noqa: E731
+        left = lambda: [p for p in below if alive(p)]  # noqa: E731
         wait_for("the nodes' processes to end", lambda: not left(), 60, context=lambda: str(left()))
         shutil.rmtree(temp, ignore_errors=True)
 
