@@ -86,3 +86,23 @@ def test_bad_sampling_parameters_name_the_field(rollout, prompts):
     # the replica survives bad input
     tokens, _, _, _ = stream(rollout, prompts[0], max_tokens=3, temperature=0, ignore_eos=True)
     assert len(tokens) == 3
+
+
+def test_the_replicas_cpu_engine_core_starts_with_the_cpu_defaults(rollout):
+    """The settings ``cpu_environment_defaults`` names reach the process that runs the
+    model (vLLM spawns it from the replica; libgomp reads its spin count as it loads)."""
+    import psutil
+
+    from rlgate.rollout.engines.vllm import cpu_environment_defaults
+
+    if rollout.health.remote().result()["engine"] != "vllm":
+        pytest.skip("the HF engine has no engine core")
+    [replica] = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "ServeReplica:rollout-test:RolloutServer" in " ".join(p.info["cmdline"] or [])
+    ]
+    [core] = [p for p in replica.children(recursive=True) if "VLLM::EngineCore" in " ".join(p.cmdline())]
+    environ = core.environ()
+    for key, value in cpu_environment_defaults().items():
+        assert environ.get(key) == value, key

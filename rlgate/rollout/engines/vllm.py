@@ -69,13 +69,22 @@ def cpu_environment_defaults() -> dict[str, str]:
       tiny-random, 15 against 22 on SmolLM2) and no hand-over of every step
       between two processes (1.7x the tokens/s of one request at a time on
       tiny-random, 5-10% more at 64; bench/README.md). A sharded engine
-      (``tensor_parallel_size`` > 1) keeps its workers.
+      (``tensor_parallel_size`` > 1) keeps its workers;
+    * OpenMP threads spin 10,000 rounds, not libgomp's 300,000, before they
+      sleep between the model's parallel sections: on a box the engine
+      shares with the gateway and Ray, a long spin burns the core the others
+      need. Alone the engine answers as fast either way; under
+      ``bench/load.py`` (256 agents) it is ~1.5x the turns/s, for rlgate and
+      ``vllm serve`` alike (bench/README.md). libgomp reads it when it loads:
+      it reaches an engine core that vLLM spawns (always, in a Ray actor), not
+      one forked from a process that had loaded torch.
     """
     cores = os.cpu_count() or 1
     return {
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "GOMP_SPINCOUNT": "10000",
         "HF_HUB_OFFLINE": "1",
     }
 
