@@ -24,6 +24,7 @@ on their own (:class:`CapacityClient`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -45,6 +46,9 @@ STATE_REWRITE_BYTES = 2**20  # the state log is rewritten to its last line past 
 
 
 RECOVER_S = 120.0  # how long a holder waits for a restarting CapacityActor before its call fails
+LINGER_S = 0.2  # a leasing holder gives ended sessions' slots back together, this long after the first ends
+SPARE_IDLE_S = 0.5  # leased slots no session took for this long go back
+SPARES_BACK_S = 1.0  # a session refused while others hold spares waits this long for them (they hear in LINGER_S)
 
 
 class HolderUnknown(Exception):
@@ -77,6 +81,8 @@ class CapacityActor:
         self._changed = asyncio.Condition()
         # Holders whose count this actor does not know (after its restart), until they reconcile.
         self.unknown: set[str] = set()
+        self.spares: dict[str, int] = {}  # holder -> slots leased to it that it has not said it used (at most)
+        self._waiting = 0  # sessions waiting here for a slot
         name = (ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None) or "rlgate-capacity"
         self.metrics = Metrics(run_of(name, "capacity"))
         self._state_log, self._state_bytes, self.state_rewrite_bytes = None, None, STATE_REWRITE_BYTES
@@ -176,23 +182,61 @@ class CapacityActor:
         needs room for the whole group (``group_size``, default the trainer's)
         and reserves it; the group's other sessions take the reserved slots.
         """
+        return bool(await self._take(timeout_s, task_id, group_size, holder, 1))
+
+    async def lease(
+        self,
+        timeout_s: float = 0.0,
+        task_id: str | None = None,
+        group_size: int | None = None,
+        holder: str = "",
+        up_to: int = 1,
+    ) -> tuple[int, bool]:
+        """``acquire``, taking up to ``up_to`` slots at once while slots are leased
+        (see ``leasing``): the first for the session asking, the rest spares for
+        ``holder`` to open later sessions in without a call (given back unused
+        with ``settle``), at most half of what is free after the first. Returns
+        (slots taken, 0 on a rejection; whether slots are leased now). Every slot
+        taken counts as running from now on, so admission stays exact."""
+        if up_to < 1:
+            raise ValueError(f"up_to must be >= 1 (got {up_to})")
+        taken = await self._take(timeout_s, task_id, group_size, holder, up_to)
+        return taken, self.leasing()
+
+    def leasing(self) -> bool:
+        """Whether holders may lease slots and keep ended sessions' slots for their
+        next sessions: only while max_concurrent alone admits (no trainer: its
+        groups and staleness bound are decided here, a session at a time) and no
+        session waits here for a slot (it gets the next one given back)."""
+        return self.rule.batch_size is None and not self._waiting
+
+    async def _take(
+        self, timeout_s: float, task_id: str | None, group_size: int | None, holder: str, up_to: int
+    ) -> int:
         if timeout_s < 0:
             raise ValueError(f"timeout_s must be >= 0 (got {timeout_s})")
         self._known(holder)
-        deadline, generation = time.monotonic() + timeout_s, self.generations.get(holder, 0)
+        now, generation = time.monotonic(), self.generations.get(holder, 0)
+        deadline = now + timeout_s
+        if not self._admits(task_id, group_size) and any(n for h, n in self.spares.items() if h != holder):
+            # Slots leased to other holders come back within SPARES_BACK_S once they hear that a session waits.
+            deadline = max(deadline, now + SPARES_BACK_S)
         async with self._changed:
             # Reservations lapse with time, not with an event: look again at least every second.
             while not self._admits(task_id, group_size) and (left := deadline - time.monotonic()) > 0:
+                self._waiting += 1
                 try:
                     await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
                 except TimeoutError:  # the builtin TimeoutError only from Python 3.11
                     pass
+                finally:
+                    self._waiting -= 1
             if generation != self.generations.get(holder, 0):
-                return False  # its caller is gone
+                return 0  # its caller is gone
             if not self._admits(task_id, group_size):
                 self.rejected += 1
                 self._report()
-                return False
+                return 0
             if self.rule.batch_size is None and task_id is not None:
                 self.reservations.started_early(task_id)
             elif task_id is not None:
@@ -201,8 +245,12 @@ class CapacityActor:
                 else:
                     self.reservations.open(task_id, self.rule.group_slots(group_size), time.monotonic())
             self.held[holder] = self.held.get(holder, 0) + 1
+            spare = min(up_to - 1, self._free() // 2) if up_to > 1 and self.leasing() else 0
+            if spare:
+                self.held[holder] += spare
+                self.spares[holder] = self.spares.get(holder, 0) + spare
             self._report()
-            return True
+            return 1 + spare
 
     async def note_accepted(self, sessions: int) -> None:
         """Count ``sessions`` as accepted whose release may have been lost with a
@@ -213,19 +261,48 @@ class CapacityActor:
 
     async def release(self, accepted: bool, holder: str = "") -> None:
         """A session of ``holder`` ended; ``accepted`` when its trajectory was finished and exported."""
+        await self.settle(1, int(accepted), holder)
+
+    async def settle(
+        self,
+        ended: int,
+        accepted: int,
+        holder: str = "",
+        started: tuple[str, ...] = (),
+        spent: int = 0,
+        unused: int = 0,
+    ) -> bool:
+        """What ``holder`` did with its slots since it last said: ``ended``
+        sessions' slots come back (it kept the slots of others that ended for
+        its next sessions), ``accepted`` sessions ended with a trajectory
+        exported, ``started`` names the tasks of sessions it opened without a
+        call (a group they begin reserves fewer once a trainer attaches), it
+        opened sessions in ``spent`` spares and gives ``unused`` spares back.
+        Returns whether slots are leased now (``leasing``)."""
+        for name, value in (("ended", ended), ("accepted", accepted), ("spent", spent), ("unused", unused)):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0 (got {value})")
         self._known(holder)
         async with self._changed:
-            if not self.held.get(holder):
-                raise ValueError(f"release without a running session of holder {holder!r} (it holds none)")
-            self.held[holder] -= 1
-            self.accepted += int(accepted)
+            if (held := self.held.get(holder, 0)) < ended + unused:
+                raise ValueError(
+                    f"{ended + unused} slot(s) given back by holder {holder!r}, which holds {held or 'none'}"
+                )
+            self.held[holder] -= ended + unused
+            self.spares[holder] = max(0, self.spares.get(holder, 0) - spent - unused)
+            self.accepted += accepted
+            if self.rule.batch_size is None:
+                for task_id in started:
+                    self.reservations.started_early(task_id)
             self._changed.notify_all()
             self._report()
+            return self.leasing()
 
-    async def reconcile(self, running: int, holder: str = "") -> None:
-        """``holder`` (re)started holding ``running`` open sessions: that is its count."""
+    async def reconcile(self, running: int, holder: str = "", spares: int = 0) -> None:
+        """``holder`` (re)started holding ``running`` slots (``spares`` of them leased, unused): that is its count."""
         async with self._changed:
             self.held[holder], self.generations[holder] = running, self.generations.get(holder, 0) + 1
+            self.spares[holder] = spares
             self.unknown.discard(holder)
             self._changed.notify_all()
             self._report()
@@ -302,24 +379,44 @@ _RESTARTED = object()  # what CapacityClient._call answers for a call the actor'
 class CapacityClient:
     """A holder's side of the CapacityActor: the plain async interface
     :class:`rlgate.sessions.manager.SessionManager` expects (``acquire``, ``release``),
-    counted under ``holder``, and recovery from the actor's restart.
+    counted under ``holder``, leases while no trainer is attached, and recovery
+    from the actor's restart.
+
+    Leasing (``block`` > 1), while the actor says slots are leased (no trainer
+    attached: max_concurrent alone admits; no session waiting there). A call for
+    a slot takes up to ``block`` (as many as sessions asked for here in the last
+    ``SPARE_IDLE_S``, so a quiet holder takes one): one for the session asking,
+    the rest spares that later sessions open in without a call. An ended
+    session's slot is kept for the holder's next session, or goes back with the
+    others at most ``LINGER_S`` after it ended, as do spares no session took for
+    ``SPARE_IDLE_S``; the sessions accepted and started go with them. A slot
+    counts as running at the actor from when it is taken until it is back, so
+    the holders together never run more than max_concurrent; the actor's counts
+    trail the holders' by up to ``LINGER_S`` (``flush`` sends everything now).
+    Otherwise (a trainer attached, a session waiting at the actor) every session
+    takes and gives back its own slot at once, as whole-group admission and the
+    staleness rule need; spares taken before go back at the next ``LINGER_S``,
+    and a session opened in one meanwhile counts like a session that started
+    before the trainer attached.
 
     When a call finds the actor dead or restarted (the call failed, or it was
     refused as :class:`HolderUnknown`), whether it took effect is unknown, so
     the client waits for its other calls to settle, tells the actor how many
-    sessions the holder holds and goes on: an
-    acquire is made again, a release is then done (its accepted session noted
-    with ``note_accepted``, which at worst counts it twice and so admits fewer).
+    slots the holder holds and goes on: an
+    acquire is made again, a release is then done (its accepted sessions noted
+    with ``note_accepted``, which at worst counts them twice and so admits fewer).
 
     What it holds is ``count()`` (a session is in it from the moment its acquire
     returns until its release is called), plus the slots granted whose acquire
-    has not returned yet, plus the releases called but not sent yet: one
-    waiting behind a recount is still held when the recount is made, and is
-    taken off when it is sent.
+    has not returned yet, plus the spares, plus the releases called but not sent
+    yet: one waiting behind a recount (or gathered for the next ``LINGER_S``) is
+    still held when the recount is made, and is taken off when it is sent.
     """
 
-    def __init__(self, actor, holder: str, count: Callable[[], int] = lambda: 0) -> None:
-        self.actor, self.holder, self.count = actor, holder, count
+    def __init__(self, actor, holder: str, count: Callable[[], int] = lambda: 0, block: int = 1) -> None:
+        if block < 1:
+            raise ValueError(f"block must be >= 1 (got {block})")
+        self.actor, self.holder, self.count, self.block = actor, holder, count, block
         self._in_flight = 0
         self._settled = asyncio.Condition()
         self._recovering = asyncio.Lock()
@@ -327,19 +424,59 @@ class CapacityClient:
         self._reconciling = None  # the holder's (re)start count, sent but not yet applied
         self._unsent_releases = 0  # releases called, not yet sent: still held
         self._unclaimed_grants = 0  # acquires granted, not yet back with their callers: held, in no count()
+        self._spares = 0  # leased slots no session has taken yet: held
+        self._leasing = False  # the actor's last answer: no trainer attached, so slots may be leased
+        self._ended = 0  # sessions ended whose slots are neither sent back nor taken by a new session yet
+        self._accepted = 0  # sessions ended accepted, not told yet
+        self._spent = 0  # spares sessions were opened in, not told yet
+        self._started: list[str] = []  # tasks of sessions opened without a call, not told yet
+        self._asked: collections.deque[float] = collections.deque(maxlen=block)  # when the last sessions asked
+        self._spares_coming = 0  # spares asked for by leases in flight (so concurrent asks take no more)
+        self._flusher: asyncio.Future | None = None
 
     async def acquire(self, timeout_s: float = 0.0, task_id: str | None = None, group_size: int | None = None) -> bool:
         """As the actor's; a caller cancelled while it waits (its client hung up)
         leaves the call going on, and a slot it is granted then is given back."""
-        granted = await to_its_end(self._acquire(timeout_s, task_id, group_size), "a slot's acquire", self._give_back)
+        self._asked.append(time.monotonic())
+        if self._leasing and (self._ended or self._spares):
+            # Claimed at once (the caller opens its session before anything else runs): an ended session's
+            # slot (nothing changes at the actor: max_concurrent alone counts) or a spare.
+            if self._ended:
+                self._ended -= 1
+                self._unsent_releases -= 1
+            else:
+                self._spares -= 1
+                self._spent += 1
+            if task_id is not None:
+                self._started.append(task_id)
+            self._keep_flushing()
+            return True
+        # the actor leases only while no trainer is attached, and takes one slot for the session otherwise
+        up_to = self._lease_size()
+        granted = await to_its_end(
+            self._acquire(timeout_s, task_id, group_size, up_to), "a slot's acquire", self._give_back
+        )
         if granted:  # claimed: the caller opens its session before anything else runs, so count() has it
             self._unclaimed_grants -= 1
         return granted
 
-    async def _acquire(self, timeout_s: float, task_id: str | None, group_size: int | None) -> bool:
-        while (granted := await self._call("acquire", timeout_s, task_id, group_size, self.holder)) is _RESTARTED:
-            pass
-        return granted
+    def _lease_size(self) -> int:
+        """Slots to ask for: as many as sessions asked for here in the last
+        ``SPARE_IDLE_S`` (this one included), at most ``block``, less the spares
+        that leases in flight already ask for."""
+        now = time.monotonic()
+        recent = sum(now - asked <= SPARE_IDLE_S for asked in self._asked)
+        return max(1, recent - self._spares_coming)
+
+    async def _acquire(self, timeout_s: float, task_id: str | None, group_size: int | None, up_to: int) -> bool:
+        self._spares_coming += up_to - 1
+        try:
+            answer = _RESTARTED
+            while answer is _RESTARTED:
+                answer = await self._call("lease", timeout_s, task_id, group_size, self.holder, up_to)
+        finally:
+            self._spares_coming -= up_to - 1
+        return answer[0] > 0
 
     def _give_back(self, acquired: asyncio.Future) -> None:
         if not acquired.cancelled() and acquired.exception() is None and acquired.result():
@@ -349,11 +486,50 @@ class CapacityClient:
 
     async def release(self, accepted: bool) -> None:
         self._unsent_releases += 1  # before any await: its session has just left count()
+        if self._leasing and self.block > 1:  # sent with the others within LINGER_S, or kept for the next session
+            self._ended += 1
+            self._accepted += int(accepted)
+            self._keep_flushing()
+            return
         await self._release(accepted)
 
     async def _release(self, accepted: bool) -> None:
-        if await self._call("release", accepted, self.holder) is _RESTARTED and accepted:
+        if await self._call("release", accepted, self.holder, releases=1) is _RESTARTED and accepted:
             await self.actor.note_accepted.remote(1)
+
+    async def flush(self) -> None:
+        """Give back now what leasing holds: the slots of ended sessions and every spare."""
+        await self._settle(everything=True)
+
+    async def _settle(self, everything: bool = False) -> None:
+        """Tell the actor in one call what happened since the last: the ended
+        sessions' slots back, the sessions accepted and opened, and the spares no
+        session took for ``SPARE_IDLE_S`` back (every spare with ``everything``,
+        or once the actor leases no more)."""
+        idle = not self._asked or time.monotonic() - self._asked[-1] >= SPARE_IDLE_S
+        unused = self._spares if everything or idle or not self._leasing else 0
+        ended, accepted, spent, started = self._ended, self._accepted, self._spent, tuple(self._started)
+        if not (ended or accepted or spent or unused or started):
+            return
+        self._ended, self._accepted, self._spent, self._started = 0, 0, 0, []
+        self._spares -= unused
+        self._unsent_releases += unused  # held until sent, as an ended session's slot is
+        slots = ended + unused
+        answer = await self._call("settle", ended, accepted, self.holder, started, spent, unused, releases=slots)
+        if answer is _RESTARTED:
+            if accepted:
+                await self.actor.note_accepted.remote(accepted)
+        else:
+            self._leasing = answer
+
+    def _keep_flushing(self) -> None:
+        if self._flusher is None or self._flusher.done():
+            self._flusher = keep(self._flush_while_held(), "giving capacity slots back")
+
+    async def _flush_while_held(self) -> None:
+        while self._ended or self._accepted or self._spent or self._spares or self._started:
+            await asyncio.sleep(LINGER_S)
+            await self._settle()
 
     def reconcile(self, running: int):
         """Tell the actor how many sessions the holder holds (it (re)started). Sent at
@@ -363,9 +539,9 @@ class CapacityClient:
         self._reconciling = self.actor.reconcile.remote(running, self.holder)
         return self._reconciling
 
-    async def _call(self, method: str, *args):
+    async def _call(self, method: str, *args, releases: int = 0):
         """The call's answer; ``_RESTARTED`` when the actor restarted under it (the
-        holder has reconciled since)."""
+        holder has reconciled since). ``releases``: the slots it gives back."""
         from ray.exceptions import RayActorError
 
         try:
@@ -376,15 +552,20 @@ class CapacityClient:
                     self._lost = True
                 self._reconciling = None
             await self._recover()
-        except BaseException:  # never sent: a release is not coming either (its caller hears why)
-            self._unsent_releases -= method == "release"
+        except BaseException:  # never sent: those slots are not coming back either (its caller hears why)
+            self._unsent_releases -= releases
             raise
-        self._in_flight += 1  # from here a recount waits for this call, and no longer counts a release as held
-        self._unsent_releases -= method == "release"
+        self._in_flight += 1  # from here a recount waits for this call, and no longer counts its releases as held
+        self._unsent_releases -= releases
         try:
             answer = await getattr(self.actor, method).remote(*args)
-            if method == "acquire" and answer is True:  # before a recount can run (it waits for this call)
-                self._unclaimed_grants += 1
+            if method == "lease":  # counted before a recount can run (it waits for this call)
+                taken, self._leasing = answer
+                if taken:
+                    self._unclaimed_grants += 1
+                    self._spares += taken - 1
+                if self._spares:
+                    self._keep_flushing()
             return answer
         except (RayActorError, HolderUnknown) as err:
             logger.warning("capacity %s for %s: the actor restarted (%s); reconciling", method, self.holder, err)
@@ -407,8 +588,8 @@ class CapacityClient:
             deadline, pause = time.monotonic() + RECOVER_S, 0.1
             while True:
                 try:  # the actor may still be restarting (ActorUnavailableError): ask until it answers
-                    held = self.count() + self._unsent_releases + self._unclaimed_grants
-                    await self.actor.reconcile.remote(held, self.holder)
+                    held = self.count() + self._unsent_releases + self._unclaimed_grants + self._spares
+                    await self.actor.reconcile.remote(held, self.holder, self._spares)
                     break
                 except ActorUnavailableError as err:  # restarting; a dead actor (ActorDiedError) fails at once
                     if time.monotonic() > deadline:

@@ -34,8 +34,10 @@ def owned_sessions(
     async def persist(records: list[dict]) -> None:
         await trajectories.append.remote(records)
 
-    client = CapacityClient(capacity, holder)
-    owned = OwnedSessions(client, persist, settings, journal_path, resume=resume, reconcile=client.reconcile)
+    client = CapacityClient(capacity, holder, block=settings["capacity_lease"])
+    owned = OwnedSessions(
+        client, persist, settings, journal_path, resume=resume, reconcile=client.reconcile, flush=client.flush
+    )
     client.count = owned.manager.held_slots
     return owned
 

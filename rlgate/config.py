@@ -142,6 +142,16 @@ class GatewayConfig(_Section):
         True, description="Refuse unknown model names (404); false ignores the field, as AReaL's gateway does."
     )
     max_concurrent: int = Field(64, ge=1, le=100_000, description="Most sessions open at once.")
+    capacity_lease: int = Field(
+        8,
+        ge=1,
+        le=1024,
+        description="Most capacity slots a session owner (a colocated gateway replica, or the SessionStore) "
+        "takes from the CapacityActor in one call while no trainer is attached: the spares open its next "
+        "sessions without a call, ended sessions' slots go back together within 0.2 s, and spares unused for "
+        "0.5 s go back. Never more than max_concurrent run across owners. With a trainer attached every "
+        "session takes and returns its own slot. 1: a call per session start and end.",
+    )
     session_timeout_s: float = Field(3600.0, gt=0, description="Idle sessions are ended and exported after this.")
     refresh_timeout_s: float = Field(120.0, ge=0, description="How long a refresh waits for capacity.")
     turn_discount: float = Field(1.0, ge=0, le=1, description="Reward discount per turn, propagated backwards.")

@@ -71,7 +71,10 @@ class OwnedSessions(LocalSessions):
         *,
         resume: bool,
         reconcile: Callable[[int], object],
+        flush: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """``reconcile(n)`` tells the capacity how many slots the restored sessions
+        hold; ``flush()`` makes it count now what it may tell later (leased slots)."""
         super().__init__(
             SessionManager(
                 capacity,
@@ -93,6 +96,7 @@ class OwnedSessions(LocalSessions):
         self._sweeper: asyncio.Task | None = None
         self.metrics = Metrics(settings["run_name"])
         self._reported, self._ended_by = dict(self.manager.counters), {}
+        self._flush_capacity = flush
 
     def _report(self) -> None:
         """The manager's counters since the last report, as dashboard metrics."""
@@ -157,8 +161,11 @@ class OwnedSessions(LocalSessions):
             self._report()
 
     async def stats(self) -> dict:
+        """The counters; the capacity's then count this holder's sessions as they are."""
         self._ensure_sweeper()
         self._report()
+        if self._flush_capacity is not None:
+            await self._flush_capacity()
         return self.manager.stats()
 
     def close(self) -> None:

@@ -101,8 +101,9 @@ class GatewayService:
 
     async def status(self, authorization: str | None) -> dict:
         self.auth.admin(authorization)
-        sessions, capacity, trajectories, engine = await asyncio.gather(
-            self._session_stats(), self.stores.capacity_stats(), self.stores.trajectory_stats(), self.engine.health()
+        sessions = await self._session_stats()  # first: each session owner gives back the slots it leased
+        capacity, trajectories, engine = await asyncio.gather(
+            self.stores.capacity_stats(), self.stores.trajectory_stats(), self.engine.health()
         )
         return {
             "status": "ok",

@@ -501,7 +501,7 @@ async def test_a_holder_waits_for_a_restarting_actor_before_it_reconciles(make_c
     from rlgate.actors.capacity import CapacityClient
 
     capacity = make_capacity(2)
-    refusals = {"acquire": 1, "reconcile": 2}  # the acquire meets the death; two reconciles meet the restart
+    refusals = {"lease": 1, "reconcile": 2}  # the acquire's call meets the death; two reconciles the restart
 
     class Restarting:
         def __init__(self, actor) -> None:
@@ -515,7 +515,7 @@ async def test_a_holder_waits_for_a_restarting_actor_before_it_reconciles(make_c
                 async def remote(*args):
                     if refusals.get(name, 0) > 0:
                         refusals[name] -= 1
-                        raise RayActorError() if name == "acquire" else ActorUnavailableError("restarting", None)
+                        raise RayActorError() if name == "lease" else ActorUnavailableError("restarting", None)
                     return await method.remote(*args)
 
             return Method
@@ -523,8 +523,46 @@ async def test_a_holder_waits_for_a_restarting_actor_before_it_reconciles(make_c
     held: list[str] = []
     client = CapacityClient(Restarting(capacity), "store", count=lambda: len(held))
     assert await client.acquire()
-    assert refusals == {"acquire": 0, "reconcile": 0}
+    assert refusals == {"lease": 0, "reconcile": 0}
     assert (await capacity.stats.remote())["running"] == 1  # counted once: reconciled to 0, then acquired
+
+
+async def test_leasing_holders_count_exactly_and_a_free_slot_leased_elsewhere_still_comes(make_capacity):
+    """Two holders lease slots from one actor of 6 while their sessions come and
+    go at random (seeded): a session that asks while fewer than 6 are open gets
+    a slot, even one leased to the other holder (it is given back); one that
+    asks when 6 are open is refused; once the holders have said everything, the
+    actor's counts are exactly the open sessions and the accepted ones."""
+    import random
+
+    from rlgate.actors.capacity import CapacityClient
+
+    capacity = make_capacity(6)
+    sessions: dict[str, list[int]] = {"a": [], "b": []}
+    clients = {
+        holder: CapacityClient(capacity, holder, count=lambda holder=holder: len(sessions[holder]), block=8)
+        for holder in sessions
+    }
+    rng, accepted, most = random.Random(7), 0, 0
+    for step in range(150):
+        holder = rng.choice("ab")
+        open_now = len(sessions["a"]) + len(sessions["b"])
+        if sessions[holder] and (rng.random() < 0.4 or open_now == 6):
+            sessions[holder].pop()
+            accepted += (ended_accepted := rng.random() < 0.5)
+            await clients[holder].release(accepted=ended_accepted)
+        else:
+            assert await clients[holder].acquire(timeout_s=60.0), f"step {step}: refused with {open_now} open"
+            sessions[holder].append(step)
+        most = max(most, (await capacity.stats.remote())["running"])
+    while len(sessions["a"]) + len(sessions["b"]) < 6:
+        assert await clients["a"].acquire(timeout_s=60.0)
+        sessions["a"].append(0)
+    assert not await clients["b"].acquire()  # full: refused (after waiting for spares there are none of)
+    for client in clients.values():
+        await client.flush()
+    stats = await capacity.stats.remote()
+    assert most <= 6 and (stats["running"], stats["accepted"]) == (6, accepted)
 
 
 async def test_the_state_written_on_every_change_does_not_grow_with_the_sessions_seen(tmp_path, ray_session):
@@ -573,15 +611,15 @@ async def test_a_holders_calls_wait_until_its_start_count_is_applied():
         def remote(self, *args):
             return asyncio.ensure_future(self.call(*args))
 
-    async def reconcile(running: int, holder: str) -> None:
+    async def reconcile(running: int, holder: str, spares: int = 0) -> None:
         await asyncio.sleep(0.05)  # the count is slow to arrive
         order.append(("reconcile", running))
 
-    async def acquire(*args) -> bool:
+    async def lease(*args) -> tuple[int, bool]:
         order.append(("acquire",))
-        return True
+        return 1, False
 
-    actor = type("Actor", (), {"reconcile": Method(reconcile), "acquire": Method(acquire)})()
+    actor = type("Actor", (), {"reconcile": Method(reconcile), "lease": Method(lease)})()
     client = CapacityClient(actor, "store")
     client.reconcile(0)
     assert await client.acquire() and await client.acquire()

@@ -4,6 +4,7 @@ tool's own reader; samples decoded from the step's trajectories."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -81,6 +82,9 @@ def test_wandb_offline_runs_go_on_as_one_run_with_a_samples_table_per_step(tmp_p
     monkeypatch.setenv("WANDB_SILENT", "true")
     steps(tmp_path, {"wandb": True, "wandb_project": "rlgate-tests"}, tiny_path)
     first_id = (tmp_path / "wandb" / "run_id").read_text()
+    # W&B names an offline run's folder by the second it started and the run id: the resumed run, started
+    # within the same second, would write into the first one's folder
+    time.sleep(1 - time.time() % 1 + 0.01)
     steps(tmp_path, {"wandb": True, "wandb_project": "rlgate-tests"}, tiny_path, first=3, last=4)
     runs = sorted((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
     run_id = (tmp_path / "wandb" / "run_id").read_text()
