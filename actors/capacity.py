@@ -301,6 +301,11 @@ class CapacityActor:
     async def reconcile(self, running: int, holder: str = "", spares: int = 0) -> None:
         """``holder`` (re)started holding ``running`` slots (``spares`` of them leased, unused): that is its count."""
         async with self._changed:
+            if holder not in self.unknown and self.rule.batch_size is not None:
+                # The holder restarted: the slots this actor counted beyond ``running`` came free unheard (a
+                # release lost with it, an ended session's slot not yet told). Whether their sessions were
+                # accepted is not known: counted accepted, so the staleness bound admits fewer, never more.
+                self.accepted += max(0, self.held.get(holder, 0) - running)
             self.held[holder], self.generations[holder] = running, self.generations.get(holder, 0) + 1
             self.spares[holder] = spares
             self.unknown.discard(holder)

@@ -382,6 +382,23 @@ async def test_holders_are_counted_apart_and_a_restart_recounts_only_its_own(mak
     assert (await capacity.stats.remote())["running"] == 1
 
 
+async def test_slots_a_restarted_holder_no_longer_holds_count_as_accepted_under_a_trainer(make_capacity):
+    """A holder that dies may take with it releases the actor never heard (and,
+    leasing, ended sessions it had not told yet): whether those sessions were
+    accepted is unknown, so with a trainer attached they count as accepted and
+    the staleness bound admits fewer, never more."""
+    capacity = make_capacity(8)
+    await capacity.grant.remote(batch_size=4, max_staleness=0)
+    for _ in range(3):
+        assert await capacity.acquire.remote(holder="gateway-0")
+    await capacity.reconcile.remote(1, holder="gateway-0")  # restarted: one session of its journal is open
+    stats = await capacity.stats.remote()
+    assert (stats["running"], stats["accepted"], stats["free"]) == (1, 2, 1)  # 4 - 2 accepted - 1 running
+    await capacity.detach.remote()
+    await capacity.reconcile.remote(0, holder="gateway-0")  # without a trainer nothing is counted
+    assert (await capacity.stats.remote())["accepted"] == 2
+
+
 async def test_a_killed_capacity_actor_comes_back_with_its_state_and_holders_reconcile(tmp_path, ray_session):
     """SIGKILL the CapacityActor: Ray restarts it in place, it reads its state back
     (version, counts), refuses each holder until the holder has said how many
