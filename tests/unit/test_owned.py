@@ -128,6 +128,80 @@ async def test_the_listener_serves_the_app_and_shares_its_port():
         await second.close()
 
 
+async def test_a_responses_writes_in_one_turn_of_the_loop_leave_as_one_send():
+    """uvicorn writes a response's head and body apart; the listener's transport
+    sends them together (a send on loopback costs the receiving side's TCP too),
+    in order, and a close sends what is pending first."""
+    from rlgate.serving.listener import CoalescedWrites
+
+    class Transport:
+        def __init__(self) -> None:
+            self.sent, self.closed = [], False
+
+        def write(self, data: bytes) -> None:
+            assert not self.closed
+            self.sent.append(data)
+
+        def is_closing(self) -> bool:
+            return self.closed
+
+        def close(self) -> None:
+            self.closed = True
+
+        def get_extra_info(self, name: str):
+            return f"info:{name}"
+
+    raw = Transport()
+    transport = CoalescedWrites(raw, asyncio.get_running_loop())
+    transport.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    transport.writelines([b"body", b"-more"])
+    assert raw.sent == []
+    await asyncio.sleep(0)
+    assert raw.sent == [b"HTTP/1.1 200 OK\r\n\r\nbody-more"]
+    transport.write(b"last")
+    transport.close()
+    assert raw.sent[-1] == b"last" and raw.closed and transport.get_extra_info("peername") == "info:peername"
+    transport.write(b"after close")  # a peer gone: dropped, as a closing transport would
+    await asyncio.sleep(0)
+    assert raw.sent[-1] == b"last"
+
+
+async def test_the_listener_answers_whole_and_streamed_responses_on_one_connection():
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+
+    @app.get("/whole/{n}")
+    async def whole(n: int):
+        return {"n": n, "pad": "x" * 100_000 * (n % 2)}  # odd ones larger than a socket buffer
+
+    @app.get("/stream")
+    async def stream():
+        async def chunks():
+            for n in range(50):
+                yield f"data: {n}\n\n"
+                if n % 7 == 0:
+                    await asyncio.sleep(0)
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    port = free_port()
+    listener = Listener(app, bind("127.0.0.1", port))
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            for _ in range(200):
+                if listener.server.started:
+                    break
+                await asyncio.sleep(0.01)
+            for n in range(6):  # one kept-alive connection: each answer whole, none running into the next
+                answer = await http.get(f"/whole/{n}")
+                assert answer.json() == {"n": n, "pad": "x" * 100_000 * (n % 2)}
+                streamed = await http.get("/stream")
+                assert streamed.text == "".join(f"data: {n}\n\n" for n in range(50))
+    finally:
+        await listener.close()
+
+
 def test_a_port_taken_by_another_program_is_a_clear_error():
     with socket.socket() as taken:  # no SO_REUSEPORT: not shareable
         taken.bind(("127.0.0.1", 0))
