@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import os
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 import ray
 
 from rlgate.background import keep, to_its_end
-from rlgate.logfile import append_whole, json_lines, open_log
+from rlgate.logfile import append_whole, json_line, json_lines, open_log
 from rlgate.run import run_of
 from rlgate.sessions.capacity import CapacityRule, CapacityStats, GroupReservations, free_slots
 from rlgate.telemetry import Metrics
@@ -125,7 +124,7 @@ class CapacityActor:
     def _save(self) -> None:
         if self.state_path is None:
             return
-        line = (json.dumps(self._state()) + "\n").encode()
+        line = json_line(self._state())
         if self._state_bytes is None or self._state_bytes + len(line) > self.state_rewrite_bytes:
             self._rewrite(line)
             return

@@ -19,13 +19,12 @@ whenever it grows past ``compact_bytes``, so it stays the size of what is open.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from pathlib import Path
 
-from rlgate.logfile import append_whole, json_lines, open_log
+from rlgate.logfile import append_whole, json_line, json_lines, open_log
 from rlgate.sessions.trajectory import Interaction, SessionTrajectory
 
 logger = logging.getLogger(__name__)
@@ -52,8 +51,7 @@ class SessionJournal:
 
     def _write(self, entry: dict) -> None:
         end, self._end = self._end, None  # forgotten if the append fails: the next one looks at the file
-        # ASCII: any str Python holds (a lone surrogate too) writes
-        self._end = append_whole(self._file, (json.dumps(entry) + "\n").encode(), whole_at=end)
+        self._end = append_whole(self._file, json_line(entry), whole_at=end)
 
     # --- changes -------------------------------------------------------------------
 

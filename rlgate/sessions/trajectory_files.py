@@ -14,7 +14,7 @@ import logging
 import sqlite3
 from pathlib import Path
 
-from rlgate.logfile import append_whole, cut_torn_tail, json_lines, open_log
+from rlgate.logfile import append_whole, cut_torn_tail, json_line, json_lines, open_log
 from rlgate.sessions.trajectory import TrajectoryRecord
 
 logger = logging.getLogger(__name__)
@@ -134,9 +134,9 @@ class TrajectoryFiles:
             path = self.folder / f"part-{self.last_seq + 1:012d}.jsonl"
         seqs = list(range(self.last_seq + 1, self.last_seq + 1 + len(records)))
         saved = [{"seq": seq, **record} for seq, record in zip(seqs, records)]
-        lines = "".join(json.dumps(record) + "\n" for record in saved)  # ASCII: any str writes
+        lines = b"".join(json_line(record) for record in saved)
         with open_log(path, self.opener) as handle:
-            append_whole(handle, lines.encode(), sync=True)
+            append_whole(handle, lines, sync=True)
         self.last_seq = seqs[-1]
         self.saved.add(saved)
         return seqs

@@ -165,3 +165,27 @@ def test_a_read_is_bounded_by_bytes_but_never_splits_a_session(tmp_path):
     assert [r["session_id"] for r in files.read(0, 100, max_bytes=2500)] == ["a", "a"]
     assert [r["session_id"] for r in files.read(0, 100, max_bytes=100)] == ["a", "a"]  # one session at least
     assert len(files.read(0, 100, max_bytes=10_000)) == 6
+
+
+def test_a_log_line_keeps_every_float_exactly_and_any_text():
+    """The logs' lines come from pydantic-core's encoder: logprobs read back bit
+    for bit (the trainer's importance ratios depend on them), infinities and NaN
+    as Python's json writes them, and text it refuses (a lone surrogate) through
+    json instead."""
+    import json
+    import math
+    import random
+
+    from rlgate.logfile import json_line
+
+    rng = random.Random(3)
+    floats = [-rng.random() * 30 for _ in range(2000)] + [5e-324, 1e308, -0.0, 0.1 + 0.2, -1e-7]
+    entry = {"logprobs": floats, "ids": list(range(100)), "text": "é ☃ \U0001f600", "n": None, "ok": True}
+    line = json_line(entry)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    back = json.loads(line)
+    assert back == entry and all(a.hex() == b.hex() for a, b in zip(back["logprobs"], floats))
+    special = json.loads(json_line({"low": -math.inf, "high": math.inf, "nan": math.nan}))
+    assert special["low"] == -math.inf and special["high"] == math.inf and math.isnan(special["nan"])
+    lone = json_line({"text": "a\ud800b"})
+    assert json.loads(lone) == {"text": "a\ud800b"} and lone.isascii()
