@@ -1,7 +1,8 @@
 """Load benchmark: many concurrent agent sessions against the gateway for a
 fixed time, and vLLM's own OpenAI server under the same chat load as the peer.
 
-    python bench/load.py [--model tiny-random] [--sessions 256] [--turns 4] [--seconds 60] [--json out.json]
+    python bench/load.py [--model tiny-random] [--sessions 256] [--turns 4] [--seconds 60] [--rounds 1]
+                         [--json out.json]
 
 Each of ``--sessions`` virtual agents loops until the time is up: start a
 session (admin key), ``--turns`` chat completions continuing one
@@ -235,18 +236,31 @@ def main() -> None:
         action="store_true",
         help="vLLM's agents ask for logprobs, as an RL client of vllm serve must (rlgate records them anyway)",
     )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="measure both sides this many times, in alternating order"
+    )
     args = parser.parse_args()
 
     from rich.console import Console
     from rich.table import Table
 
-    peer = bench_peer(args)
-    ours = bench_rlgate(args)
+    # The machine's speed drifts over minutes: each round measures both sides, in alternating order,
+    # and the ratios are taken within a round, then averaged.
+    rounds = []
+    for n in range(args.rounds):
+        if n % 2 == 0:
+            peer = bench_peer(args)
+            ours = bench_rlgate(args)
+        else:
+            ours = bench_rlgate(args)
+            peer = bench_peer(args)
+        rounds.append({"vllm": peer, "rlgate": ours})
     table = Table(
         title=f"{args.sessions} agents x {args.turns} turns, {args.seconds:g} s, {args.model}, "
         f"max_tokens={args.max_tokens}, {os.cpu_count()} CPUs"
     )
     columns = (
+        "round",
         "server",
         "sessions/s",
         "turns/s",
@@ -259,37 +273,49 @@ def main() -> None:
     )
     for column in columns:
         table.add_column(column, justify="right")
-    for name, result in (("vllm serve (peer)", peer), ("rlgate gateway", ours)):
-        chat = result["latency_s"].get("chat", {"p50": float("nan"), "p99": float("nan")})
-        table.add_row(
-            name,
-            f"{result['sessions_per_s']:.2f}" if name.startswith("rlgate") else "-",
-            f"{result['turns_per_s']:.1f}",
-            f"{chat['p50']:.2f}",
-            f"{chat['p99']:.2f}",
-            str(result["errors"]),
-            f"{result['cpu_ms_per_turn']['total']:.1f}",
-            f"{result['client_cpu_ms_per_turn']:.1f}",
-            f"{ours['turns_per_s'] / peer['turns_per_s']:.2f}x turns/s, "
-            f"{ours['cpu_ms_per_turn']['total'] / peer['cpu_ms_per_turn']['total']:.2f}x CPU/turn"
-            if name.startswith("rlgate")
-            else "",
-        )
-    console = Console(width=140)
+    for n, measured in enumerate(rounds, 1):
+        peer, ours = measured["vllm"], measured["rlgate"]
+        measured["turns_ratio"] = ours["turns_per_s"] / peer["turns_per_s"]
+        measured["cpu_ratio"] = ours["cpu_ms_per_turn"]["total"] / peer["cpu_ms_per_turn"]["total"]
+        for name, result in (("vllm serve (peer)", peer), ("rlgate gateway", ours)):
+            chat = result["latency_s"].get("chat", {"p50": float("nan"), "p99": float("nan")})
+            table.add_row(
+                str(n),
+                name,
+                f"{result['sessions_per_s']:.2f}" if name.startswith("rlgate") else "-",
+                f"{result['turns_per_s']:.1f}",
+                f"{chat['p50']:.2f}",
+                f"{chat['p99']:.2f}",
+                str(result["errors"]),
+                f"{result['cpu_ms_per_turn']['total']:.1f}",
+                f"{result['client_cpu_ms_per_turn']:.1f}",
+                f"{measured['turns_ratio']:.2f}x turns/s, {measured['cpu_ratio']:.2f}x CPU/turn"
+                if name.startswith("rlgate")
+                else "",
+            )
+    console = Console(width=150)
     console.print(table)
-    console.print(
-        f"rlgate: {ours['peak_open_sessions']} sessions open at most, "
-        f"{ours['rss_per_open_session_kib']:.0f} KiB resident per open session (Gateway + SessionStore); "
-        f"{ours['sessions_ended']} sessions ended, {ours['sessions_saved']} saved, "
-        f"each exactly once with all its turns: {ours['saved_exactly_once']}"
-    )
-    console.print(f"answers: rlgate {ours['statuses']}; vLLM {peer['statuses']}")
-    for name, result in (("vLLM", peer), ("rlgate", ours)):
-        parts = ", ".join(f"{label} {ms}" for label, ms in result["cpu_ms_per_turn"].items() if label != "total")
-        console.print(f"CPU ms per turn, {name}: {parts}")
+    mean = {key: statistics.mean(r[key] for r in rounds) for key in ("turns_ratio", "cpu_ratio")}
+    if len(rounds) > 1:
+        console.print(
+            f"mean of {len(rounds)} rounds: rlgate {mean['turns_ratio']:.2f}x vLLM's turns/s, "
+            f"{mean['cpu_ratio']:.2f}x its CPU per turn"
+        )
+    for n, measured in enumerate(rounds, 1):
+        peer, ours = measured["vllm"], measured["rlgate"]
+        console.print(
+            f"round {n}: rlgate: {ours['peak_open_sessions']} sessions open at most, "
+            f"{ours['rss_per_open_session_kib']:.0f} KiB resident per open session (Gateway + SessionStore); "
+            f"{ours['sessions_ended']} sessions ended, {ours['sessions_saved']} saved, "
+            f"each exactly once with all its turns: {ours['saved_exactly_once']}"
+        )
+        console.print(f"  answers: rlgate {ours['statuses']}; vLLM {peer['statuses']}")
+        for name, result in (("vLLM", peer), ("rlgate", ours)):
+            parts = ", ".join(f"{label} {ms}" for label, ms in result["cpu_ms_per_turn"].items() if label != "total")
+            console.print(f"  CPU ms per turn, {name}: {parts}")
     if args.json:
-        args.json.write_text(json.dumps({"vllm": peer, "rlgate": ours}, indent=2))
-    if not ours["saved_exactly_once"] or ours["errors"]:
+        args.json.write_text(json.dumps({"rounds": rounds, "mean": mean}, indent=2))
+    if any(not r["rlgate"]["saved_exactly_once"] or r["rlgate"]["errors"] for r in rounds):
         sys.exit(1)
 
 

@@ -104,6 +104,14 @@ def test_only_the_same_deployment_resumes_a_journal(tmp_path):
     assert not claim_journal(tmp_path / "sessions", "")[1]  # no token: never resume
 
 
+async def listening(*listeners) -> None:
+    """Wait (up to 2 s) until every listener's server has started."""
+    for _ in range(200):
+        if all(listener.server.started for listener in listeners):
+            return
+        await asyncio.sleep(0.01)
+
+
 async def test_the_listener_serves_the_app_and_shares_its_port():
     app = FastAPI()
 
@@ -115,10 +123,7 @@ async def test_the_listener_serves_the_app_and_shares_its_port():
     first, second = Listener(app, bind("127.0.0.1", port)), Listener(app, bind("127.0.0.1", port))
     try:
         async with httpx.AsyncClient() as http:
-            for _ in range(200):
-                if first.server.started and second.server.started:
-                    break
-                await asyncio.sleep(0.01)
+            await listening(first, second)
             answer = await http.get(f"http://127.0.0.1:{port}/ping")
         assert answer.json() == {"pong": True} and first.port == second.port == port
         # no access log: a raw path may hold a scoped URL's session key
@@ -189,10 +194,7 @@ async def test_the_listener_answers_whole_and_streamed_responses_on_one_connecti
     listener = Listener(app, bind("127.0.0.1", port))
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
-            for _ in range(200):
-                if listener.server.started:
-                    break
-                await asyncio.sleep(0.01)
+            await listening(listener)
             for n in range(6):  # one kept-alive connection: each answer whole, none running into the next
                 answer = await http.get(f"/whole/{n}")
                 assert answer.json() == {"n": n, "pad": "x" * 100_000 * (n % 2)}
@@ -245,10 +247,7 @@ async def test_beyond_its_in_flight_limit_the_listener_answers_503_at_once():
     listener = Listener(limited, bind("127.0.0.1", port))
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
-            for _ in range(200):
-                if listener.server.started:
-                    break
-                await asyncio.sleep(0.01)
+            await listening(listener)
             held = [asyncio.create_task(http.get("/slow")) for _ in range(2)]
             for _ in range(200):  # both admitted and waiting
                 if limited.running == 2:
