@@ -46,8 +46,10 @@ STATE_REWRITE_BYTES = 2**20  # the state log is rewritten to its last line past 
 
 RECOVER_S = 120.0  # how long a holder waits for a restarting CapacityActor before its call fails
 LINGER_S = 0.2  # a leasing holder gives ended sessions' slots back together, this long after the first ends
-SPARE_IDLE_S = 0.5  # leased slots no session took for this long go back
-SPARES_BACK_S = 1.0  # a session refused while others hold spares waits this long for them (they hear in LINGER_S)
+SPARE_IDLE_S = 0.5  # leased slots go back once no session asked for one for this long
+SPARES_BACK_S = 1.0  # a session refused while other holders lease waits this long for their slots (LINGER_S each way)
+LEASED_RECENTLY_S = 5.0  # a holder that took spares or settled this recently may hold slots it has not given back
+PERMIT_S = 1.0  # an answer that says slots are leased lets its holder open sessions without a call this long
 
 
 class HolderUnknown(Exception):
@@ -80,8 +82,10 @@ class CapacityActor:
         self._changed = asyncio.Condition()
         # Holders whose count this actor does not know (after its restart), until they reconcile.
         self.unknown: set[str] = set()
-        self.spares: dict[str, int] = {}  # holder -> slots leased to it that it has not said it used (at most)
+        self.leased: dict[str, float] = {}  # holder -> when it last took spares or settled (it may hold slots)
         self._waiting = 0  # sessions waiting here for a slot
+        self._attaching = False  # a trainer's grant waits for the holders' leasing permits to run out
+        self._permitted_at = float("-inf")  # when an answer last said slots are leased (a permit of PERMIT_S)
         name = (ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None) or "rlgate-capacity"
         self.metrics = Metrics(run_of(name, "capacity"))
         self._state_log, self._state_bytes, self.state_rewrite_bytes = None, None, STATE_REWRITE_BYTES
@@ -200,14 +204,23 @@ class CapacityActor:
         if up_to < 1:
             raise ValueError(f"up_to must be >= 1 (got {up_to})")
         taken = await self._take(timeout_s, task_id, group_size, holder, up_to)
-        return taken, self.leasing()
+        return taken, self._permit()
 
     def leasing(self) -> bool:
         """Whether holders may lease slots and keep ended sessions' slots for their
         next sessions: only while max_concurrent alone admits (no trainer: its
-        groups and staleness bound are decided here, a session at a time) and no
-        session waits here for a slot (it gets the next one given back)."""
-        return self.rule.batch_size is None and not self._waiting
+        groups and staleness bound are decided here, a session at a time), no
+        session waits here for a slot (it gets the next one given back), and
+        no more run than max_concurrent (lowered: the holders drain)."""
+        on = self.rule.batch_size is None and not self._attaching and not self._waiting
+        return on and self.running <= self.rule.max_concurrent
+
+    def _permit(self) -> bool:
+        """``leasing()``, for an answer: a True lets its holder open sessions
+        without a call for ``PERMIT_S`` from when it asked."""
+        if on := self.leasing():
+            self._permitted_at = time.monotonic()
+        return on
 
     async def _take(
         self, timeout_s: float, task_id: str | None, group_size: int | None, holder: str, up_to: int
@@ -217,8 +230,11 @@ class CapacityActor:
         self._known(holder)
         now, generation = time.monotonic(), self.generations.get(holder, 0)
         deadline = now + timeout_s
-        if not self._admits(task_id, group_size) and any(n for h, n in self.spares.items() if h != holder):
-            # Slots leased to other holders come back within SPARES_BACK_S once they hear that a session waits.
+        if not self._admits(task_id, group_size) and any(
+            h != holder and now - at < LEASED_RECENTLY_S for h, at in self.leased.items()
+        ):
+            # Other holders may hold slots they have not given back (spares, ended sessions' slots): they give
+            # them back within SPARES_BACK_S once an answer tells them that a session waits (leasing() is off).
             deadline = max(deadline, now + SPARES_BACK_S)
         async with self._changed:
             # Reservations lapse with time, not with an event: look again at least every second.
@@ -247,7 +263,7 @@ class CapacityActor:
             spare = min(up_to - 1, self._free() // 2) if up_to > 1 and self.leasing() else 0
             if spare:
                 self.held[holder] += spare
-                self.spares[holder] = self.spares.get(holder, 0) + spare
+                self.leased[holder] = time.monotonic()
             self._report()
             return 1 + spare
 
@@ -268,17 +284,16 @@ class CapacityActor:
         accepted: int,
         holder: str = "",
         started: tuple[str, ...] = (),
-        spent: int = 0,
         unused: int = 0,
     ) -> bool:
         """What ``holder`` did with its slots since it last said: ``ended``
         sessions' slots come back (it kept the slots of others that ended for
         its next sessions), ``accepted`` sessions ended with a trajectory
         exported, ``started`` names the tasks of sessions it opened without a
-        call (a group they begin reserves fewer once a trainer attaches), it
-        opened sessions in ``spent`` spares and gives ``unused`` spares back.
-        Returns whether slots are leased now (``leasing``)."""
-        for name, value in (("ended", ended), ("accepted", accepted), ("spent", spent), ("unused", unused)):
+        call (a group they begin reserves fewer once a trainer attaches; told
+        after one attached, they reserve nothing), and it gives ``unused``
+        spares back. Returns whether slots are leased now (``leasing``)."""
+        for name, value in (("ended", ended), ("accepted", accepted), ("unused", unused)):
             if value < 0:
                 raise ValueError(f"{name} must be >= 0 (got {value})")
         self._known(holder)
@@ -288,25 +303,19 @@ class CapacityActor:
                     f"{ended + unused} slot(s) given back by holder {holder!r}, which holds {held or 'none'}"
                 )
             self.held[holder] -= ended + unused
-            self.spares[holder] = max(0, self.spares.get(holder, 0) - spent - unused)
+            self.leased[holder] = time.monotonic()
             self.accepted += accepted
             if self.rule.batch_size is None:
                 for task_id in started:
                     self.reservations.started_early(task_id)
             self._changed.notify_all()
             self._report()
-            return self.leasing()
+            return self._permit()
 
-    async def reconcile(self, running: int, holder: str = "", spares: int = 0) -> None:
-        """``holder`` (re)started holding ``running`` slots (``spares`` of them leased, unused): that is its count."""
+    async def reconcile(self, running: int, holder: str = "") -> None:
+        """``holder`` (re)started holding ``running`` slots: that is its count."""
         async with self._changed:
-            if holder not in self.unknown and self.rule.batch_size is not None:
-                # The holder restarted: the slots this actor counted beyond ``running`` came free unheard (a
-                # release lost with it, an ended session's slot not yet told). Whether their sessions were
-                # accepted is not known: counted accepted, so the staleness bound admits fewer, never more.
-                self.accepted += max(0, self.held.get(holder, 0) - running)
             self.held[holder], self.generations[holder] = running, self.generations.get(holder, 0) + 1
-            self.spares[holder] = spares
             self.unknown.discard(holder)
             self._changed.notify_all()
             self._report()
@@ -315,8 +324,18 @@ class CapacityActor:
         self, batch_size: int, max_staleness: int, group_size: int = 1, group_timeout_s: float = 600.0
     ) -> None:
         """A trainer attaches (or changes its settings): admit whole groups by the
-        staleness rule, counting accepted sessions and versions from now."""
+        staleness rule, counting accepted sessions and versions from now.
+
+        Attaching waits until no holder may still open a session without a call
+        (the last leasing permit, ``PERMIT_S``, has run out): sessions opened so
+        are then all ones that began before the trainer attached."""
         if self.rule.batch_size is None:
+            self._attaching = True  # answers from now on say slots are not leased
+            try:
+                while (left := self._permitted_at + PERMIT_S - time.monotonic()) > 0:
+                    await asyncio.sleep(left)
+            finally:
+                self._attaching = False
             self.accepted_base, self.version_base, self.discarded = self.accepted, self.version, 0
             self.reservations = GroupReservations(early=self.reservations.early)
         await self._set_rule(
@@ -392,16 +411,21 @@ class CapacityClient:
     ``SPARE_IDLE_S``, so a quiet holder takes one): one for the session asking,
     the rest spares that later sessions open in without a call. An ended
     session's slot is kept for the holder's next session, or goes back with the
-    others at most ``LINGER_S`` after it ended, as do spares no session took for
-    ``SPARE_IDLE_S``; the sessions accepted and started go with them. A slot
-    counts as running at the actor from when it is taken until it is back, so
-    the holders together never run more than max_concurrent; the actor's counts
-    trail the holders' by up to ``LINGER_S`` (``flush`` sends everything now).
+    others at most ``LINGER_S`` after it ended, as do the spares once no session
+    asked for ``SPARE_IDLE_S`` (spares are taken before ended sessions' slots, so
+    none stays unused while sessions ask); the sessions accepted and started go
+    with them. A slot counts as running at the actor from when it is taken until
+    it is back, so the holders together never run more than max_concurrent; the
+    actor's counts trail the holders' by up to ``LINGER_S`` (``flush`` sends
+    everything now).
     Otherwise (a trainer attached, a session waiting at the actor) every session
     takes and gives back its own slot at once, as whole-group admission and the
-    staleness rule need; spares taken before go back at the next ``LINGER_S``,
-    and a session opened in one meanwhile counts like a session that started
-    before the trainer attached.
+    staleness rule need; spares taken before go back at the next ``LINGER_S``.
+    A session opened without a call after a trainer attached (before the holder
+    heard) holds a slot the staleness rule counts, but no group reservation:
+    its group reserves its full size, admitting fewer. A session that is
+    refused at the actor while other holders lease first waits up to
+    ``SPARES_BACK_S`` for the slots they hold.
 
     When a call finds the actor dead or restarted (the call failed, or it was
     refused as :class:`HolderUnknown`), whether it took effect is unknown, so
@@ -429,34 +453,36 @@ class CapacityClient:
         self._unsent_releases = 0  # releases called, not yet sent: still held
         self._unclaimed_grants = 0  # acquires granted, not yet back with their callers: held, in no count()
         self._spares = 0  # leased slots no session has taken yet: held
-        self._leasing = False  # the actor's last answer: no trainer attached, so slots may be leased
+        self._permit_until = float("-inf")  # open sessions without a call until then (an answer said so)
         self._ended = 0  # sessions ended whose slots are neither sent back nor taken by a new session yet
         self._accepted = 0  # sessions ended accepted, not told yet
-        self._spent = 0  # spares sessions were opened in, not told yet
+        self._opened = 0  # sessions opened without a call since the last settle (whose answer says if leasing is on)
         self._started: list[str] = []  # tasks of sessions opened without a call, not told yet
         self._asked: collections.deque[float] = collections.deque(maxlen=block)  # when the last sessions asked
-        self._spares_coming = 0  # spares asked for by leases in flight (so concurrent asks take no more)
+        self._coming = 0  # slots asked for by leases in flight (so concurrent asks take no more between them)
         self._flusher: asyncio.Future | None = None
 
     async def acquire(self, timeout_s: float = 0.0, task_id: str | None = None, group_size: int | None = None) -> bool:
         """As the actor's; a caller cancelled while it waits (its client hung up)
         leaves the call going on, and a slot it is granted then is given back."""
         self._asked.append(time.monotonic())
-        if self._leasing and (self._ended or self._spares):
-            # Claimed at once (the caller opens its session before anything else runs): an ended session's
-            # slot (nothing changes at the actor: max_concurrent alone counts) or a spare.
-            if self._ended:
+        if self._leasing() and (self._spares or self._ended):
+            # Claimed at once (the caller opens its session before anything else runs): a spare first (so
+            # none stays unused while sessions ask), else an ended session's slot (nothing changes at the
+            # actor: max_concurrent alone counts).
+            if self._spares:
+                self._spares -= 1
+            else:
                 self._ended -= 1
                 self._unsent_releases -= 1
-            else:
-                self._spares -= 1
-                self._spent += 1
+            self._opened += 1
             if task_id is not None:
                 self._started.append(task_id)
             self._keep_flushing()
             return True
         # the actor leases only while no trainer is attached, and takes one slot for the session otherwise
         up_to = self._lease_size()
+        self._coming += up_to  # before any await: a concurrent ask sees it
         granted = await to_its_end(
             self._acquire(timeout_s, task_id, group_size, up_to), "a slot's acquire", self._give_back
         )
@@ -466,20 +492,19 @@ class CapacityClient:
 
     def _lease_size(self) -> int:
         """Slots to ask for: as many as sessions asked for here in the last
-        ``SPARE_IDLE_S`` (this one included), at most ``block``, less the spares
-        that leases in flight already ask for."""
+        ``SPARE_IDLE_S`` (this one included), at most ``block``, less the slots
+        that leases in flight already ask for (a burst of asks takes one each)."""
         now = time.monotonic()
         recent = sum(now - asked <= SPARE_IDLE_S for asked in self._asked)
-        return max(1, recent - self._spares_coming)
+        return max(1, recent - self._coming)
 
     async def _acquire(self, timeout_s: float, task_id: str | None, group_size: int | None, up_to: int) -> bool:
-        self._spares_coming += up_to - 1
         try:
             answer = _RESTARTED
             while answer is _RESTARTED:
                 answer = await self._call("lease", timeout_s, task_id, group_size, self.holder, up_to)
         finally:
-            self._spares_coming -= up_to - 1
+            self._coming -= up_to
         return answer[0] > 0
 
     def _give_back(self, acquired: asyncio.Future) -> None:
@@ -490,7 +515,7 @@ class CapacityClient:
 
     async def release(self, accepted: bool) -> None:
         self._unsent_releases += 1  # before any await: its session has just left count()
-        if self._leasing and self.block > 1:  # sent with the others within LINGER_S, or kept for the next session
+        if self._leasing() and self.block > 1:  # sent with the others within LINGER_S, or kept for the next session
             self._ended += 1
             self._accepted += int(accepted)
             self._keep_flushing()
@@ -502,36 +527,43 @@ class CapacityClient:
             await self.actor.note_accepted.remote(1)
 
     async def flush(self) -> None:
-        """Give back now what leasing holds: the slots of ended sessions and every spare."""
-        await self._settle(everything=True)
+        """Give back now what leasing holds: the slots of ended sessions and every
+        spare (to its end, even if the caller is cancelled: what it took to send
+        is no longer held here)."""
+        await to_its_end(self._settle(everything=True), "giving capacity slots back")
 
     async def _settle(self, everything: bool = False) -> None:
         """Tell the actor in one call what happened since the last: the ended
-        sessions' slots back, the sessions accepted and opened, and the spares no
-        session took for ``SPARE_IDLE_S`` back (every spare with ``everything``,
-        or once the actor leases no more)."""
+        sessions' slots back, the sessions accepted and opened (so the answer
+        says whether leasing is still on), and the spares back once no session
+        asked for ``SPARE_IDLE_S`` (every spare with ``everything``, or once the
+        actor leases no more)."""
         idle = not self._asked or time.monotonic() - self._asked[-1] >= SPARE_IDLE_S
-        unused = self._spares if everything or idle or not self._leasing else 0
-        ended, accepted, spent, started = self._ended, self._accepted, self._spent, tuple(self._started)
-        if not (ended or accepted or spent or unused or started):
+        unused = self._spares if everything or idle or not self._leasing() else 0
+        ended, accepted, opened, started = self._ended, self._accepted, self._opened, tuple(self._started)
+        if not (ended or accepted or opened or unused or started):
             return
-        self._ended, self._accepted, self._spent, self._started = 0, 0, 0, []
+        self._ended, self._accepted, self._opened, self._started = 0, 0, 0, []
         self._spares -= unused
         self._unsent_releases += unused  # held until sent, as an ended session's slot is
         slots = ended + unused
-        answer = await self._call("settle", ended, accepted, self.holder, started, spent, unused, releases=slots)
-        if answer is _RESTARTED:
-            if accepted:
-                await self.actor.note_accepted.remote(accepted)
-        else:
-            self._leasing = answer
+        answer = await self._call("settle", ended, accepted, self.holder, started, unused, releases=slots)
+        if answer is _RESTARTED and accepted:
+            await self.actor.note_accepted.remote(accepted)
+
+    def _leasing(self) -> bool:
+        """Whether this holder may open sessions without a call now: an answer of
+        the actor said slots are leased, less than ``PERMIT_S`` ago (counted from
+        when it asked, so the actor, which waits that long after its last such
+        answer before a trainer's rule applies, never admits past it)."""
+        return time.monotonic() < self._permit_until
 
     def _keep_flushing(self) -> None:
         if self._flusher is None or self._flusher.done():
             self._flusher = keep(self._flush_while_held(), "giving capacity slots back")
 
     async def _flush_while_held(self) -> None:
-        while self._ended or self._accepted or self._spent or self._spares or self._started:
+        while self._ended or self._accepted or self._opened or self._spares or self._started:
             await asyncio.sleep(LINGER_S)
             await self._settle()
 
@@ -561,10 +593,14 @@ class CapacityClient:
             raise
         self._in_flight += 1  # from here a recount waits for this call, and no longer counts its releases as held
         self._unsent_releases -= releases
+        asked_at = time.monotonic()  # before the actor answers: a permit never outlasts the actor's own count of it
         try:
             answer = await getattr(self.actor, method).remote(*args)
+            if method in ("settle", "lease"):  # the actor's word on leasing: a permit from when it was asked, or none
+                leasing = answer if method == "settle" else answer[1]
+                self._permit_until = asked_at + PERMIT_S if leasing else float("-inf")
             if method == "lease":  # counted before a recount can run (it waits for this call)
-                taken, self._leasing = answer
+                taken = answer[0]
                 if taken:
                     self._unclaimed_grants += 1
                     self._spares += taken - 1
@@ -593,7 +629,7 @@ class CapacityClient:
             while True:
                 try:  # the actor may still be restarting (ActorUnavailableError): ask until it answers
                     held = self.count() + self._unsent_releases + self._unclaimed_grants + self._spares
-                    await self.actor.reconcile.remote(held, self.holder, self._spares)
+                    await self.actor.reconcile.remote(held, self.holder)
                     break
                 except ActorUnavailableError as err:  # restarting; a dead actor (ActorDiedError) fails at once
                     if time.monotonic() > deadline:

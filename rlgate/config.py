@@ -147,9 +147,10 @@ class GatewayConfig(_Section):
         ge=1,
         le=1024,
         description="Most capacity slots a session owner (a colocated gateway replica, or the SessionStore) "
-        "takes from the CapacityActor in one call while no trainer is attached: the spares open its next "
-        "sessions without a call, ended sessions' slots go back together within 0.2 s, and spares unused for "
-        "0.5 s go back. Never more than max_concurrent run across owners. With a trainer attached every "
+        "takes from the CapacityActor in one call while no trainer is attached: the spares, and the slots its "
+        "ended sessions leave, open its next sessions without a call; what is not used goes back within 0.2 s "
+        "(spares once no session asked for 0.5 s). Never more than max_concurrent run across owners; a session "
+        "refused while other owners lease waits up to 1 s for their slots. With a trainer attached every "
         "session takes and returns its own slot. 1: a call per session start and end.",
     )
     session_timeout_s: float = Field(3600.0, gt=0, description="Idle sessions are ended and exported after this.")

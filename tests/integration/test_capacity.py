@@ -382,23 +382,6 @@ async def test_holders_are_counted_apart_and_a_restart_recounts_only_its_own(mak
     assert (await capacity.stats.remote())["running"] == 1
 
 
-async def test_slots_a_restarted_holder_no_longer_holds_count_as_accepted_under_a_trainer(make_capacity):
-    """A holder that dies may take with it releases the actor never heard (and,
-    leasing, ended sessions it had not told yet): whether those sessions were
-    accepted is unknown, so with a trainer attached they count as accepted and
-    the staleness bound admits fewer, never more."""
-    capacity = make_capacity(8)
-    await capacity.grant.remote(batch_size=4, max_staleness=0)
-    for _ in range(3):
-        assert await capacity.acquire.remote(holder="gateway-0")
-    await capacity.reconcile.remote(1, holder="gateway-0")  # restarted: one session of its journal is open
-    stats = await capacity.stats.remote()
-    assert (stats["running"], stats["accepted"], stats["free"]) == (1, 2, 1)  # 4 - 2 accepted - 1 running
-    await capacity.detach.remote()
-    await capacity.reconcile.remote(0, holder="gateway-0")  # without a trainer nothing is counted
-    assert (await capacity.stats.remote())["accepted"] == 2
-
-
 async def test_a_killed_capacity_actor_comes_back_with_its_state_and_holders_reconcile(tmp_path, ray_session):
     """SIGKILL the CapacityActor: Ray restarts it in place, it reads its state back
     (version, counts), refuses each holder until the holder has said how many
@@ -580,6 +563,56 @@ async def test_leasing_holders_count_exactly_and_a_free_slot_leased_elsewhere_st
         await client.flush()
     stats = await capacity.stats.remote()
     assert most <= 6 and (stats["running"], stats["accepted"]) == (6, accepted)
+
+
+async def test_a_session_refused_while_another_holder_keeps_an_ended_sessions_slot_gets_that_slot(make_capacity):
+    """Holder a fills all 6 slots and one of its sessions ends: a keeps that
+    slot for its next session instead of giving it back at once. A session
+    asking at holder b without waiting (wait_s 0) is not refused: the actor
+    holds it while a hears that a session waits and gives the slot back."""
+    from rlgate.actors.capacity import CapacityClient
+
+    capacity = make_capacity(6)
+    sessions = {"a": [], "b": []}
+    a = CapacityClient(capacity, "a", count=lambda: len(sessions["a"]), block=8)
+    b = CapacityClient(capacity, "b", count=lambda: len(sessions["b"]), block=8)
+    while len(sessions["a"]) < 6:
+        assert await a.acquire(timeout_s=60.0)
+        sessions["a"].append(1)
+    await a.flush()
+    assert (await capacity.stats.remote())["running"] == 6
+    sessions["a"].pop()
+    await a.release(accepted=True)  # kept by a for a while
+    assert (await capacity.stats.remote())["running"] == 6
+    assert await b.acquire()  # no wait asked for, yet admitted: a gave its slot back
+    sessions["b"].append(1)
+    assert not await a.acquire()  # now all 6 are open: refused
+    for client in (a, b):
+        await client.flush()
+    stats = await capacity.stats.remote()
+    assert (stats["running"], stats["accepted"]) == (6, 1)
+
+
+async def test_once_a_trainer_has_attached_no_session_opens_in_a_kept_slot(make_capacity):
+    """A leasing holder keeps an ended session's slot for its next session; a
+    trainer attaches with room for no more sessions. The attach waits until the
+    holder's leave to open sessions without asking has run out, so the next
+    session asks, and the staleness rule refuses it."""
+    from rlgate.actors.capacity import CapacityClient
+
+    capacity = make_capacity(8)
+    sessions: list[int] = []
+    client = CapacityClient(capacity, "a", count=lambda: len(sessions), block=8)
+    for _ in range(2):
+        assert await client.acquire()
+        sessions.append(1)
+    sessions.pop()
+    await client.release(accepted=True)  # its slot kept for the next session
+    await capacity.grant.remote(batch_size=1, max_staleness=0)  # room: 1 - 1 running = 0 (the kept slot counts)
+    assert not await client.acquire()
+    await client.flush()
+    stats = await capacity.stats.remote()
+    assert stats["running"] == len(sessions) == 1 and stats["free"] == 0
 
 
 async def test_the_state_written_on_every_change_does_not_grow_with_the_sessions_seen(tmp_path, ray_session):

@@ -270,6 +270,8 @@ def test_a_killed_capacity_actor_comes_back_and_admission_stays_exact(faults, ra
 
         capacity.waiting, capacity._admits = False, admits
 
+    # the replica gives back the slots it leases (/rl/status has it do so): the next start asks the actor
+    assert books() == (before[0] + 2, before[1] + 2)
     in_actor(ray_session, "capacity", admit_nothing)
     body = {"task_id": "cap2", "wait_s": 120}
     start = lambda: httpx.post(f"{app.url}/rl/start_session", json=body, headers=app.admin, timeout=180)  # noqa: E731

@@ -152,7 +152,7 @@ class LeasingActor:
         self.most_held = max(self.most_held, self.held)
         return taken, not self.trainer
 
-    async def settle(self, ended, accepted, holder, started, spent, unused):
+    async def settle(self, ended, accepted, holder, started, unused):
         self.calls.append(("settle", ended + unused))
         assert ended + unused <= self.held
         self.held, self.accepted = self.held - ended - unused, self.accepted + accepted
@@ -187,9 +187,10 @@ def quick_lease(monkeypatch):
     monkeypatch.setattr(capacity, "SPARE_IDLE_S", 0.05)
 
 
-async def test_sessions_that_start_together_open_in_leased_slots_without_a_call_each():
-    """Eight sessions asking at once take their slots in one call (after the
-    first); their ends go back in one call; the actor counted every session."""
+async def test_sessions_that_start_in_quick_succession_open_in_leased_slots_without_a_call():
+    """Sessions asking one after another take more slots per call (the third
+    opens in the second's spare, without a call); their ends go back in one
+    call; the actor counted every session."""
     from rlgate.actors.capacity import CapacityClient
 
     actor = LeasingActor(max_concurrent=100)
@@ -346,3 +347,14 @@ async def test_an_ended_sessions_slot_opens_the_holders_next_session_without_a_c
     assert len(actor.calls) == calls and actor.held == 1  # never more than max_concurrent, no call
     await client.flush()
     assert (actor.held, actor.accepted, actor.started) == (1, 5, [f"next{n}" for n in range(5)])
+
+
+async def test_a_burst_of_sessions_asking_at_once_takes_one_slot_each():
+    """Sessions that ask together, before any lease has answered, each take one
+    slot: none of them counts the others' asks as demand for spares."""
+    from rlgate.actors.capacity import CapacityClient
+
+    actor = LeasingActor(max_concurrent=64)
+    client = CapacityClient(actor.methods(), "replica", block=8)
+    assert all(await asyncio.gather(*[client.acquire() for _ in range(8)]))
+    assert actor.held == 8 and client._spares == 0
