@@ -4,8 +4,10 @@ Created by ``serve_app`` (or ``train_driver``) as one named detached actor
 through :func:`get_or_create_capacity`, so it outlives the driver that made it
 and every part finds the same one by name.
 Called by whoever holds sessions, the SessionStore or each colocated Gateway
-replica (``acquire`` when a session opens, ``release`` when it ends, each
-under its ``holder`` name, so a holder that restarts recounts only its own),
+replica, through its :class:`CapacityClient` (``lease`` when a session opens:
+one slot, or a block of them while no trainer is attached; ``settle`` or
+``release`` when sessions end; each under its ``holder`` name, so a holder
+that restarts recounts only its own),
 and by the trainer (``grant`` when it attaches, ``on_new_version`` after
 publishing weights, ``discard`` for sessions it dropped untrained, ``detach``
 when it leaves).
