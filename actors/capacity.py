@@ -232,9 +232,8 @@ class CapacityActor:
         self._known(holder)
         now, generation = time.monotonic(), self.generations.get(holder, 0)
         deadline = now + timeout_s
-        if not self._admits(task_id, group_size) and any(
-            h != holder and now - at < LEASED_RECENTLY_S for h, at in self.leased.items()
-        ):
+        leasers = (h for h, at in self.leased.items() if h != holder and now - at < LEASED_RECENTLY_S)
+        if self.rule.batch_size is None and not self._admits(task_id, group_size) and any(leasers):
             # Other holders may hold slots they have not given back (spares, ended sessions' slots): they give
             # them back within SPARES_BACK_S once an answer tells them that a session waits (leasing() is off).
             deadline = max(deadline, now + SPARES_BACK_S)
@@ -278,7 +277,7 @@ class CapacityActor:
 
     async def release(self, accepted: bool, holder: str = "") -> None:
         """A session of ``holder`` ended; ``accepted`` when its trajectory was finished and exported."""
-        await self.settle(1, int(accepted), holder)
+        await self._given_back(holder, 1, int(accepted))
 
     async def settle(
         self,
@@ -298,21 +297,22 @@ class CapacityActor:
         for name, value in (("ended", ended), ("accepted", accepted), ("unused", unused)):
             if value < 0:
                 raise ValueError(f"{name} must be >= 0 (got {value})")
+        self.leased[holder] = time.monotonic()  # it leases: it may keep slots until it settles again
+        await self._given_back(holder, ended + unused, accepted, started)
+        return self._permit()
+
+    async def _given_back(self, holder: str, slots: int, accepted: int, started: tuple[str, ...] = ()) -> None:
         self._known(holder)
         async with self._changed:
-            if (held := self.held.get(holder, 0)) < ended + unused:
-                raise ValueError(
-                    f"{ended + unused} slot(s) given back by holder {holder!r}, which holds {held or 'none'}"
-                )
-            self.held[holder] -= ended + unused
-            self.leased[holder] = time.monotonic()
+            if (held := self.held.get(holder, 0)) < slots:
+                raise ValueError(f"{slots} slot(s) given back by holder {holder!r}, which holds {held or 'none'}")
+            self.held[holder] -= slots
             self.accepted += accepted
             if self.rule.batch_size is None:
                 for task_id in started:
                     self.reservations.started_early(task_id)
             self._changed.notify_all()
             self._report()
-            return self._permit()
 
     async def reconcile(self, running: int, holder: str = "") -> None:
         """``holder`` (re)started holding ``running`` slots: that is its count."""
@@ -423,11 +423,12 @@ class CapacityClient:
     Otherwise (a trainer attached, a session waiting at the actor) every session
     takes and gives back its own slot at once, as whole-group admission and the
     staleness rule need; spares taken before go back at the next ``LINGER_S``.
-    A session opened without a call after a trainer attached (before the holder
-    heard) holds a slot the staleness rule counts, but no group reservation:
-    its group reserves its full size, admitting fewer. A session that is
-    refused at the actor while other holders lease first waits up to
-    ``SPARES_BACK_S`` for the slots they hold.
+    A holder opens sessions without a call only within ``PERMIT_S`` of asking
+    the actor, whose answer said slots are leased, and a trainer's ``grant``
+    waits for the last such permit to run out, so no session opens so once a
+    trainer's rule applies. Without a trainer, a session refused at the actor
+    while other holders lease first waits up to ``SPARES_BACK_S`` for the slots
+    they hold.
 
     When a call finds the actor dead or restarted (the call failed, or it was
     refused as :class:`HolderUnknown`), whether it took effect is unknown, so
