@@ -615,6 +615,7 @@ def test_two_runs_share_one_engine_each_training_and_served_by_its_own_adapter(t
         assert driver.returncode == 0, f"run {run}:\n{output[-4000:]}"
     assert f"{POOL_PREFIX}shared" not in serve.status().applications  # the last run to leave deleted the pool
 
+    late = {}  # each run's mean reward over its last half of steps
     for run in RUNS:
         folder = tmp_path / "runs" / run
         metrics = lines(folder / "metrics.jsonl")
@@ -627,8 +628,11 @@ def test_two_runs_share_one_engine_each_training_and_served_by_its_own_adapter(t
         for record in records:  # each turn names the adapter that served it: this run's, at its version
             (version,) = {v for m, v in zip(record["loss_mask"], record["versions"]) if m}
             assert record["adapters"] == [f"{run}-v{version}" if version else None], record["adapters"]
-        # it learnt its own task: some three steps in a row beat the first three by 0.2. (Not the last three:
-        # at this learning rate a run may climb to 0.8 and then fall for a few steps, seen once in CI at 8e-2.)
+        # it learnt its own task: its last half of steps beats its first step (the base model's replies: at
+        # this learning rate step 2 may already reach 0.77, seen in CI, so the first three are no baseline)
         rewards = [m["reward_mean"] for m in metrics]
-        best = max(sum(rewards[i : i + 3]) / 3 for i in range(3, len(rewards) - 2))
-        assert best > sum(rewards[:3]) / 3 + 0.2, (run, rewards)
+        late[run] = sum(rewards[POOL_STEPS // 2 :]) / (POOL_STEPS - POOL_STEPS // 2)
+        assert late[run] > rewards[0] + 0.1, (run, rewards)
+    # and each learnt its own: one policy serving both prompts alike scores a + b <= 1 (every letter counts for
+    # exactly one of the two halves), so a sum well above 1 needs two policies, each trained towards its half
+    assert sum(late.values()) > 1.2, late
