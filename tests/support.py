@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -76,6 +77,13 @@ def free_port(count: int = 1) -> int:
         first = random.randrange(20000, 32000 - count)
         if all(_free(port) for port in range(first, first + count)):
             return first
+
+
+def hears_ctrl_c() -> None:
+    """A ``preexec_fn`` for a server a test stops with SIGINT: SIGINT handled as in a
+    terminal, whatever ran the tests (a shell without job control starts its
+    background commands with SIGINT ignored, and children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _free(port: int) -> bool:

@@ -96,7 +96,10 @@ def main() -> int:
     ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE)
     # before anything starts: a bad task app fails the run at once
     task_app = check_task_app(config, task_app_key(args.job_manager, config.gateway.run_name))
-    signal.signal(signal.SIGTERM, interrupted)  # after ray.init, which sets its own: `ray job stop` acts as Ctrl-C
+    # after ray.init, which sets its own SIGTERM: `ray job stop` acts as Ctrl-C. SIGINT too, which a shell
+    # without job control hands its background commands ignored: `python train_driver.py ... &` then stops on it
+    for sign in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sign, interrupted)
     gpus = trainer_gpus(config)
     wait_until_placeable(config, gpus, run_dir)
     end_earlier_application(app_name(config.gateway.run_name, config.gateway.route_prefix))

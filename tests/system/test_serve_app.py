@@ -18,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.support import ROOT, free_port
+from tests.support import ROOT, free_port, hears_ctrl_c
 
 
 @pytest.fixture
@@ -69,13 +69,17 @@ class Output:
         pytest.fail(f"no line matching {pattern!r} within {seconds} s")
 
 
-def stop(process: subprocess.Popen) -> None:
+def stop(process: subprocess.Popen, output: Output) -> None:
     """Ctrl-C the server; then make sure nothing it started outlives it. Only this
     process tree: `ray stop` would also kill the test session's own cluster."""
     tree = psutil.Process(process.pid).children(recursive=True)
     process.send_signal(signal.SIGINT)
     try:
-        assert process.wait(timeout=120) == 0
+        try:
+            code = process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail("Ctrl-C did not stop the server in 120 s; it said:\n" + "".join(output.lines[-40:]))
+        assert code == 0, "".join(output.lines[-40:])
     finally:
         for child in tree:
             if child.is_running():
@@ -133,6 +137,7 @@ def test_python_serve_app_prints_url_and_a_generated_admin_key(config_file):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=hears_ctrl_c,
     )
     url = f"http://127.0.0.1:{port}"
     output = Output(process)
@@ -144,7 +149,7 @@ def test_python_serve_app_prints_url_and_a_generated_admin_key(config_file):
         status = httpx.get(f"{url}/rl/status", headers={"Authorization": f"Bearer {key}"})
         assert status.status_code == 200
     finally:
-        stop(process)
+        stop(process, output)
 
 
 def test_serve_run_serve_app_app(config_file):
@@ -159,12 +164,14 @@ def test_serve_run_serve_app_app(config_file):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=hears_ctrl_c,
     )
     url = "http://127.0.0.1:8000"
-    Output(process)  # drain the output so the server never blocks on a full pipe
+    output = Output(process)  # drains the output, so the server never blocks on a full pipe
     try:
         wait_healthy(url, process)
+        output.wait_for("Application 'default' is ready", process)  # Ctrl-C once `serve run` says so, as a user does
         status = httpx.get(f"{url}/rl/status", headers={"Authorization": f"Bearer {key}"})
         assert status.status_code == 200 and status.json()["sessions"]["open_sessions"] == 0
     finally:
-        stop(process)
+        stop(process, output)
