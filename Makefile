@@ -9,6 +9,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(ENGINE)
 PYTEST_ARGS ?=
+# `make test` runs on this many pytest-xdist workers, each with a Ray session of its own
+# (two fill two cores: one worker alone leaves a third of the CPU idle, waiting on starts)
+TEST_WORKERS ?= 2
 
 .PHONY: install test test-fast demo chat bench parity lint clean
 
@@ -30,7 +33,7 @@ endif
 	@touch $@
 
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The unit tier alone: no Ray, no vLLM engine.
 test-fast: install

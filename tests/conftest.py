@@ -17,7 +17,7 @@ import pytest
 from rlgate.models import prepare_model
 from rlgate.rollout.engines import vllm_installed
 from rlgate.serving.routing import serve_start_options
-from tests.support import free_port
+from tests.support import RayNodes, free_port
 
 # Test tiers are folders: tests/unit (no Ray, no vLLM: seconds each), tests/integration
 # (the shared Ray session below, real Serve apps and engines), tests/system (the driver,
@@ -30,17 +30,33 @@ def tier(item) -> str:
     return next(part for part in item.path.relative_to(Path(__file__).parent).parts if part in TIERS)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups below
 def pytest_collection_modifyitems(config, items):
     import torch
 
     for item in items:
         item.add_marker(getattr(pytest.mark, tier(item)))
+    if config.getoption("dist", "no") != "no":
+        share_out(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def share_out(items) -> None:
+    """How `make test` shares the tests among its workers (pytest-xdist, each worker
+    with a Ray session of its own): a module's tests go to one worker together, so
+    its module fixtures (a gateway app, a two-node cluster) are made once, except in
+    modules that set ``SPREAD_TESTS`` (independent driver runs); tests marked
+    ``long`` are handed out first, then the tiers from the slowest, so the many
+    short tests fill in at the end and both workers finish close together."""
+    for item in items:
+        if not getattr(item.module, "SPREAD_TESTS", False):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    items.sort(key=lambda item: ("long" not in item.keywords, -TIERS.index(tier(item))))
 
 
 @pytest.fixture(scope="session")
@@ -102,19 +118,26 @@ def reference_model(tiny_path):
 
 
 @pytest.fixture(scope="session")
-def ray_session():
-    """One local Ray cluster with Serve's HTTP proxy on a free loopback port."""
+def ray_session(tmp_path_factory):
+    """One local Ray cluster (a ``ray start`` head with four CPUs, the dashboard
+    serving the job API, every port its own) with Serve's HTTP proxy on a free
+    loopback port. Its own ports let the test tiers run side by side, each with
+    a cluster of its own (`make test`)."""
 
     import ray
     from ray import serve
 
-    ray.init(num_cpus=4, include_dashboard=True, log_to_driver=False)  # the dashboard serves the job API
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, **serve_start_options())
-    ray.serve_url = f"http://127.0.0.1:{port}"
-    yield ray
-    serve.shutdown()
-    ray.shutdown()
+    node = RayNodes.head(tmp_path_factory.mktemp("ray-session"), num_cpus=4)
+    try:
+        ray.init(address=node.gcs, log_to_driver=False)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, **serve_start_options())
+        ray.serve_url = f"http://127.0.0.1:{port}"
+        yield ray
+        serve.shutdown()
+        ray.shutdown()
+    finally:
+        node.stop()
 
 
 def _left_in_cluster() -> tuple[set[str], set[str]]:

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,9 +73,15 @@ def free_port(count: int = 1) -> int:
     """A loopback TCP port nothing listens on right now (with ``count``, the first
     of that many in a row). Drawn from 20000-31999: above Ray's worker ports
     (10002-19999) and below the kernel's ephemeral range, where any outgoing
-    connection (Ray starts hundreds) could take it before the server binds it."""
+    connection (Ray starts hundreds) could take it before the server binds it.
+    Under pytest-xdist each worker draws from its own slice of that range: two
+    workers never hand the same free port to two servers about to bind it."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+    width = 12000 // workers
+    low = 20000 + worker * width
     while True:
-        first = random.randrange(20000, 32000 - count)
+        first = random.randrange(low, low + width - count)
         if all(_free(port) for port in range(first, first + count)):
             return first
 
@@ -93,6 +100,105 @@ def _free(port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+BIN = Path(sys.executable).parent  # the ray and serve commands of this environment
+
+
+@dataclass
+class RayNodes:
+    """Local ``ray start --block`` nodes on loopback: a head, then any workers, with
+    every port and the temp dir their own, so they run beside any other cluster on
+    the machine (two ``ray.init()`` clusters share the dashboard agent's default
+    port: the second's job API then never answers)."""
+
+    gcs: str  # host:port, for ray.init and `serve run --address`
+    dashboard: str  # the job and state APIs
+    metrics_ports: list[int]
+    env: dict
+    logs: Path
+    temp: Path
+    processes: list
+
+    @classmethod
+    def head(cls, logs: Path, num_cpus: int, resources: dict | None = None, metrics_ports: int = 1) -> RayNodes:
+        """Start a head node (with ``metrics_ports`` metrics ports drawn: one per node
+        the caller will start) and wait until Ray's state API lists it."""
+        import tempfile
+
+        temp = Path(tempfile.mkdtemp(prefix="rlg", dir="/tmp"))  # short: Ray's socket paths are length-limited
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env |= {"PATH": f"{BIN}{os.pathsep}{env['PATH']}", "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+        gcs, dashboard, client, *metrics = free_ports(3 + metrics_ports)
+        nodes = cls(f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dashboard}", metrics, env, logs, temp, [])
+        own = [f"--port={gcs}", f"--temp-dir={temp}", "--include-dashboard=true", "--dashboard-host=127.0.0.1"]
+        own += [f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}"]
+        head = nodes._start("head", num_cpus, resources or {}, "--head", *own)
+        deadline = time.monotonic() + 120
+        while True:
+            if head.poll() is not None:  # exited: say why at once, not after the whole wait
+                raise AssertionError(f"the head node exited:\n{(logs / 'head.log').read_text()[-3000:]}")
+            try:
+                if nodes.state("nodes"):
+                    return nodes
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            log = (logs / "head.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, f"the head node did not come up in 120 s:\n{log}"
+            time.sleep(0.5)
+
+    def worker(self, name: str, num_cpus: int, resources: dict) -> None:
+        """Start a worker node joining the head (the caller waits for it in the state API)."""
+        self._start(name, num_cpus, resources, f"--address={self.gcs}")
+
+    def _start(self, name: str, num_cpus: int, resources: dict, *args: str) -> subprocess.Popen:
+        import json
+
+        agent, agent_grpc, runtime_env = free_ports(3)
+        own = [f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}"]
+        metrics = self.metrics_ports[len(self.processes)]
+        own += [f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}"]
+        command = [str(BIN / "ray"), "start", "--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats"]
+        command += [f"--num-cpus={num_cpus}", "--num-gpus=0", f"--resources={json.dumps(resources)}", *own, *args]
+        with open(self.logs / f"{name}.log", "w") as out:  # a process group of its own: the node's, ended at once
+            process = subprocess.Popen(
+                command, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.processes.append(process)
+        return process
+
+    def state(self, kind: str) -> list[dict]:
+        """Ray's state API: nodes, actors, ..."""
+        body = httpx.get(f"{self.dashboard}/api/v0/{kind}", params={"limit": 10000}, timeout=30).json()
+        return body["data"]["result"]["result"]
+
+    def stop(self) -> None:
+        """End every node at once and wait for every process below them. A node's GCS,
+        raylet and agents are in its ``ray start``'s process group: killed together (a
+        SIGTERM to ``ray start --block`` stops them gracefully in ~30 s). Its workers,
+        each in a group of its own, end when their raylet does, and the engines below
+        them with their worker (the reaper)."""
+        import shutil
+
+        import psutil
+
+        below = []
+        for process in self.processes:
+            try:
+                below += psutil.Process(process.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
+        for process in self.processes:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
+        deadline = time.monotonic() + 60
+        while left := [p for p in below if alive(p)]:
+            assert time.monotonic() < deadline, f"processes of the Ray nodes outlived them: {left}"
+            time.sleep(0.2)
+        shutil.rmtree(self.temp, ignore_errors=True)
 
 
 def publish_perturbed(ray_session, store, model, version: int, replicas: int, scale: float = 0.05):

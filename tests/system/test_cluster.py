@@ -9,12 +9,8 @@ Ray's state API; the driver's step gauges from Ray's metrics endpoint; then
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,19 +22,19 @@ import yaml
 
 from rlgate.config import load_config
 from rlgate.training.placement import ROLLOUT_RESOURCE, TRAINER_RESOURCE
-from tests.support import ROOT, alive, free_port, free_ports, lines
+from tests.support import BIN, ROOT, RayNodes, free_port, lines
 
-BIN = Path(sys.executable).parent  # the ray and serve commands of this environment
 ADMIN_KEY = "cluster-test-admin-key-0123456789"
+
+pytestmark = pytest.mark.long  # minutes: `make test` hands this module out first
 
 
 @dataclass
 class Cluster:
-    gcs: str  # host:port, for ray.init and `serve run --address`
-    dashboard: str  # the job and state APIs
-    metrics_ports: list[int]
-    env: dict
-    logs: Path
+    nodes: RayNodes
+
+    def __getattr__(self, name):  # gcs, dashboard, env, logs, state(): the nodes'
+        return getattr(self.nodes, name)
 
     def cli(self, *args: str, timeout: float = 300) -> str:
         done = subprocess.run(
@@ -46,11 +42,6 @@ class Cluster:
         )
         assert done.returncode == 0, f"{' '.join(args[:3])}: {done.stdout[-2000:]}{done.stderr[-3000:]}"
         return done.stdout
-
-    def state(self, kind: str) -> list[dict]:
-        """Ray's state API: nodes, actors, ..."""
-        body = httpx.get(f"{self.dashboard}/api/v0/{kind}", params={"limit": 10000}, timeout=30).json()
-        return body["data"]["result"]["result"]
 
     def job(self, job_id: str) -> dict:
         return httpx.get(f"{self.dashboard}/api/jobs/{job_id}", timeout=30).json()
@@ -79,74 +70,13 @@ def cluster(tmp_path_factory):
     """A head node offering rlgate_rollout and a worker node offering
     rlgate_trainer, two CPUs each, every port and the temp dir their own (the
     test session's Ray runs beside them)."""
-    temp = Path(tempfile.mkdtemp(prefix="rlg", dir="/tmp"))  # short: Ray's socket paths are length-limited
-    logs = tmp_path_factory.mktemp("cluster")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env |= {"PATH": f"{BIN}{os.pathsep}{env['PATH']}", "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-    # every port the two nodes take, drawn at once so no two are the same (Ray refuses a port given twice)
-    ports = iter(free_ports(11))
-    gcs, dashboard, metrics = next(ports), next(ports), [next(ports), next(ports)]
-
-    def node(name: str, index: int, resources: dict, *args: str) -> subprocess.Popen:
-        own = [
-            f"--dashboard-agent-listen-port={next(ports)}",
-            f"--dashboard-agent-grpc-port={next(ports)}",
-            f"--runtime-env-agent-port={next(ports)}",
-            f"--metrics-export-port={metrics[index]}",
-        ]
-        command = [str(BIN / "ray"), "start", "--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats"]
-        command += ["--num-cpus=2", "--num-gpus=0", f"--resources={json.dumps(resources)}", *own, *args]
-        with open(logs / f"{name}.log", "w") as out:  # a process group of its own: the node's, ended at once below
-            return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    head = node(
-        "head",
-        0,
-        {ROLLOUT_RESOURCE: 1},
-        "--head",
-        f"--port={gcs}",
-        f"--temp-dir={temp}",
-        "--include-dashboard=true",
-        "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dashboard}",
-        f"--ray-client-server-port={next(ports)}",
-    )
-    processes = [head]
+    nodes = RayNodes.head(tmp_path_factory.mktemp("cluster"), 2, {ROLLOUT_RESOURCE: 1}, metrics_ports=2)
     try:
-        running = Cluster(f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dashboard}", metrics, env, logs)
-
-        def head_up():
-            if head.poll() is not None:  # exited: say why at once, not after the whole wait
-                raise AssertionError(f"the head node exited:\n{(logs / 'head.log').read_text()[-3000:]}")
-            return running.state("nodes")
-
-        wait_for("the head node", head_up, 120)
-        processes.append(node("worker", 1, {TRAINER_RESOURCE: 1}, f"--address=127.0.0.1:{gcs}"))
-        wait_for("two nodes", lambda: sum(n["state"] == "ALIVE" for n in running.state("nodes")) == 2, 120)
-        yield running
-    finally:
-        # A node's GCS, raylet and agents are in its `ray start`'s process group: killed together at once (a
-        # SIGTERM to `ray start --block` stops them gracefully in ~30 s). Its workers, each in a group of its
-        # own, end when their raylet does, and the engines below them with their worker (the reaper): every
-        # process below the nodes must be gone before the next module starts.
-        import psutil
-
-        below = []
-        for process in processes:
-            try:
-                below += psutil.Process(process.pid).children(recursive=True)
-            except psutil.NoSuchProcess:
-                pass
-        for process in processes:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.wait()
-
-        left = lambda: [p for p in below if alive(p)]  # noqa: E731
-        wait_for("the nodes' processes to end", lambda: not left(), 60, context=lambda: str(left()))
-        shutil.rmtree(temp, ignore_errors=True)
+        nodes.worker("worker", 2, {TRAINER_RESOURCE: 1})
+        wait_for("two nodes", lambda: sum(n["state"] == "ALIVE" for n in nodes.state("nodes")) == 2, 120)
+        yield Cluster(nodes)
+    finally:  # every process below the nodes is gone before the next module starts
+        nodes.stop()
 
 
 def episode(url: str, task: str, reward: float) -> None:

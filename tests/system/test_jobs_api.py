@@ -17,6 +17,8 @@ import ray
 from rlgate.sdk.client import RLGateError, RLJob
 from tests.support import free_port, generated_keys, serve_asgi, start_gateway, synth_ai_env, synth_ai_python
 
+pytestmark = pytest.mark.long  # minutes: `make test` hands this module out first
+
 TASK_APP_KEY = "env-key-for-the-jobs-tests"
 
 

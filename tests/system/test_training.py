@@ -35,6 +35,8 @@ def reward(completion, row, messages):
 POOL_STEPS = 16
 RUNS = {"a": "abcdefghijklm", "b": "nopqrstuvwxyz"}  # opposite rewards: crossing adapters would show
 
+SPREAD_TESTS = True  # each test runs drivers of its own: `make test`'s workers may take them one by one
+
 
 def vowels_dataset(tmp_path) -> str:
     """The [task] lines of a dataset run: the built-in vowels task's prompts as a
@@ -142,6 +144,7 @@ def start_driver(path: Path, admin_key: str = "train-test-admin-key-0123", env: 
     )
 
 
+@pytest.mark.long
 @pytest.mark.timeout(1500)
 def test_a_run_survives_a_killed_worker_and_ctrl_c_then_resumes_from_its_checkpoint(tmp_path):
     """Its own local Ray, as `python train_driver.py` on a laptop, training with
@@ -488,6 +491,7 @@ def test_a_task_app_the_config_does_not_allow_is_never_called(tmp_path, joined):
     assert "[jobs] task_app_hosts" in result.stderr and seen == [] and "gateway at" not in result.stdout
 
 
+@pytest.mark.long
 def test_two_runs_share_one_engine_each_training_and_served_by_its_own_adapter(tmp_path, joined):
     """[rollout] pool: two runs at once on one engine replica, with opposite rewards
     (letters from the first half of the alphabet; from the second), so an adapter
