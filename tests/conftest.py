@@ -11,6 +11,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+# OpenMP threads (torch in trainers and drivers) spin 10,000 rounds before sleeping, as the CPU
+# engines do, not libgomp's 300,000: `make test` runs two workers on two cores, and a thread
+# spinning between parallel sections takes the core the other worker's processes wait for
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import pytest
 
@@ -36,7 +40,7 @@ def pytest_collection_modifyitems(config, items):
 
     for item in items:
         item.add_marker(getattr(pytest.mark, tier(item)))
-    if config.getoption("dist", "no") != "no":
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker of `make test` (the workers collect, not the controller)
         share_out(items)
     if torch.cuda.is_available():
         return

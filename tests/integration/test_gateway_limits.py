@@ -160,14 +160,14 @@ def test_idle_sessions_are_ended_and_exported(clean):
 
 
 def _engine_processes():
-    """vLLM's engine processes under the gw-small RolloutServer replica (Ray titles
-    an actor's worker process after its class)."""
-    [replica] = [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if "ServeReplica:gw-small:RolloutServer" in " ".join(p.info["cmdline"] or [])
-    ]
-    return replica.children(recursive=True)
+    """vLLM's engine processes under the gw-small RolloutServer replica: its process
+    as this cluster's state API has it (another cluster on the machine may run an app
+    of the same name)."""
+    from ray.util.state import list_actors
+
+    filters = [("class_name", "=", "ServeReplica:gw-small:RolloutServer"), ("state", "=", "ALIVE")]
+    [replica] = list_actors(filters=filters)
+    return psutil.Process(replica.pid).children(recursive=True)
 
 
 def test_a_crashed_engine_gives_503_then_serve_replaces_it(clean):

@@ -19,7 +19,8 @@ import pytest
 
 from tests.support import gateway_fixture
 
-SETTINGS = {"model": {"name": "tiny-random"}, "rollout": {"engine": "hf", "max_model_len": 512}}
+# room for the long answers the killed-replica test needs in flight at once
+SETTINGS = {"model": {"name": "tiny-random"}, "rollout": {"engine": "hf", "max_model_len": 4096}}
 
 
 faults = gateway_fixture("gw-faults", SETTINGS)
@@ -349,11 +350,13 @@ def test_a_killed_rollout_replica_fails_its_requests_cleanly_and_returns_on_the_
     ray_session.get(policy.publish.remote(1, [ray_session.put(load_file(tiny_path / "model.safetensors"))]))
     assert ray_session.get(policy.wait_served.remote(1, 1, 120))  # the replica follows: it serves version 1
     streaming, whole = app.start_session("stream")["api_key"], app.start_session("whole")["api_key"]
-    body = {"model": "tiny-random", "messages": [{"role": "user", "content": "go"}], "max_tokens": 450}
+    body = {"model": "tiny-random", "messages": [{"role": "user", "content": "go"}], "max_tokens": 4000}
     url = f"{app.url}/v1/chat/completions"
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         # The stream first: once its tokens flow, the HF engine's batch is the stream's alone and
-        # the second request waits for it (450 tokens), so both are in flight when the replica dies
+        # the second request waits for it, so both are in flight when the replica dies. 4000 tokens
+        # take long enough that the second one arrives first on a busy machine too (450 did not once,
+        # with another test session's cluster on the same two cores); the kill ends both early
         flowing = threading.Event()
         streamed = pool.submit(stream_lines, url, body | {"ignore_eos": True}, streaming, flowing)
         assert flowing.wait(120), "the stream never started"
