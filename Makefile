@@ -33,7 +33,7 @@ endif
 	@touch $@
 
 test: install
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The unit tier alone: no Ray, no vLLM engine.
 test-fast: install

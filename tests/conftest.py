@@ -34,14 +34,13 @@ def tier(item) -> str:
     return next(part for part in item.path.relative_to(Path(__file__).parent).parts if part in TIERS)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups below
 def pytest_collection_modifyitems(config, items):
     import torch
 
     for item in items:
         item.add_marker(getattr(pytest.mark, tier(item)))
     if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker of `make test` (the workers collect, not the controller)
-        share_out(items)
+        hand_out_order(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -50,17 +49,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-def share_out(items) -> None:
-    """How `make test` shares the tests among its workers (pytest-xdist, each worker
-    with a Ray session of its own): a module's tests go to one worker together, so
-    its module fixtures (a gateway app, a two-node cluster) are made once, except in
-    modules that set ``SPREAD_TESTS`` (independent driver runs); tests marked
-    ``long`` are handed out first, then the tiers from the slowest, so the many
-    short tests fill in at the end and both workers finish close together."""
-    for item in items:
-        if not getattr(item.module, "SPREAD_TESTS", False):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-    items.sort(key=lambda item: ("long" not in item.keywords, -TIERS.index(tier(item))))
+def hand_out_order(items) -> None:
+    """The order in which `make test` hands test modules to its workers (pytest-xdist's
+    loadfile: a module's tests go to one worker together, so its module fixtures are
+    made once; each worker has a Ray session of its own). The unit tier first, before
+    a worker joins Ray (its tests assume a process without it); then the modules with
+    tests marked ``long``, then the rest from the slowest tier, so the short modules
+    fill in at the end and both workers finish close together."""
+
+    long = {item.module.__name__ for item in items if "long" in item.keywords}
+
+    def order(item) -> tuple:
+        return (tier(item) != "unit", item.module.__name__ not in long, -TIERS.index(tier(item)))
+
+    items.sort(key=order)
 
 
 @pytest.fixture(scope="session")

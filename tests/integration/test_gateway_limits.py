@@ -163,10 +163,11 @@ def _engine_processes():
     """vLLM's engine processes under the gw-small RolloutServer replica: its process
     as this cluster's state API has it (another cluster on the machine may run an app
     of the same name)."""
+    import ray
     from ray.util.state import list_actors
 
     filters = [("class_name", "=", "ServeReplica:gw-small:RolloutServer"), ("state", "=", "ALIVE")]
-    [replica] = list_actors(filters=filters)
+    [replica] = list_actors(address=ray.get_runtime_context().gcs_address, filters=filters)
     return psutil.Process(replica.pid).children(recursive=True)
 
 

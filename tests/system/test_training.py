@@ -35,8 +35,6 @@ def reward(completion, row, messages):
 POOL_STEPS = 16
 RUNS = {"a": "abcdefghijklm", "b": "nopqrstuvwxyz"}  # opposite rewards: crossing adapters would show
 
-SPREAD_TESTS = True  # each test runs drivers of its own: `make test`'s workers may take them one by one
-
 
 def vowels_dataset(tmp_path) -> str:
     """The [task] lines of a dataset run: the built-in vowels task's prompts as a
