@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,37 +115,42 @@ class RayNodes:
 
     gcs: str  # host:port, for ray.init and `serve run --address`
     dashboard: str  # the job and state APIs
-    metrics_ports: list[int]
+    metrics_ports: list[int]  # one a node
     env: dict
     logs: Path
     temp: Path
     processes: list
+    _ports: Iterator[int] = iter(())  # the nodes' own ports, drawn with the head's
 
     @classmethod
-    def head(cls, logs: Path, num_cpus: int, resources: dict | None = None, metrics_ports: int = 1) -> RayNodes:
-        """Start a head node (with ``metrics_ports`` metrics ports drawn: one per node
-        the caller will start) and wait until Ray's state API lists it."""
+    def head(cls, logs: Path, num_cpus: int, resources: dict | None = None, nodes: int = 1):
+        """Start a head node, drawing every port of ``nodes`` nodes at once (separate
+        draws can return the same port, and Ray refuses a port given twice), and wait
+        until Ray's state API lists it."""
         import tempfile
 
         temp = Path(tempfile.mkdtemp(prefix="rlg", dir="/tmp"))  # short: Ray's socket paths are length-limited
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         env |= {"PATH": f"{BIN}{os.pathsep}{env['PATH']}", "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-        gcs, dashboard, client, *metrics = free_ports(3 + metrics_ports)
-        nodes = cls(f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dashboard}", metrics, env, logs, temp, [])
+        gcs, dashboard, client, *ports = free_ports(3 + 4 * nodes)
+        head = cls(f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dashboard}", ports[:nodes], env, logs, temp, [])
+        head._ports = iter(ports[nodes:])
         own = [f"--port={gcs}", f"--temp-dir={temp}", "--include-dashboard=true", "--dashboard-host=127.0.0.1"]
         own += [f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}"]
-        head = nodes._start("head", num_cpus, resources or {}, "--head", *own)
+        process = head._start("head", num_cpus, resources or {}, "--head", *own)
         deadline = time.monotonic() + 120
         while True:
-            if head.poll() is not None:  # exited: say why at once, not after the whole wait
+            if process.poll() is not None:  # exited: say why at once, not after the whole wait
                 raise AssertionError(f"the head node exited:\n{(logs / 'head.log').read_text()[-3000:]}")
             try:
-                if nodes.state("nodes"):
-                    return nodes
+                if head.state("nodes"):
+                    return head
             except (httpx.HTTPError, KeyError, ValueError):
                 pass
-            log = (logs / "head.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, f"the head node did not come up in 120 s:\n{log}"
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"the head node did not come up in 120 s:\n{(logs / 'head.log').read_text()[-3000:]}"
+                )
             time.sleep(0.5)
 
     def worker(self, name: str, num_cpus: int, resources: dict) -> None:
@@ -154,7 +160,7 @@ class RayNodes:
     def _start(self, name: str, num_cpus: int, resources: dict, *args: str) -> subprocess.Popen:
         import json
 
-        agent, agent_grpc, runtime_env = free_ports(3)
+        agent, agent_grpc, runtime_env = next(self._ports), next(self._ports), next(self._ports)
         own = [f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}"]
         metrics = self.metrics_ports[len(self.processes)]
         own += [f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}"]
@@ -199,6 +205,19 @@ class RayNodes:
             assert time.monotonic() < deadline, f"processes of the Ray nodes outlived them: {left}"
             time.sleep(0.2)
         shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def replica_process(app: str, deployment: str):
+    """The live process of ``app``'s ``deployment`` replica (one), as this test session's
+    cluster has it: its state API, not a process title another cluster on the machine
+    (the other `make test` worker's) may share."""
+    import psutil
+    import ray
+    from ray.util.state import list_actors
+
+    filters = [("class_name", "=", f"ServeReplica:{app}:{deployment}"), ("state", "=", "ALIVE")]
+    [replica] = list_actors(address=ray.get_runtime_context().gcs_address, filters=filters)
+    return psutil.Process(replica.pid)
 
 
 def publish_perturbed(ray_session, store, model, version: int, replicas: int, scale: float = 0.05):

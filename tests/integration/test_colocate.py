@@ -15,11 +15,18 @@ from pathlib import Path
 
 import httpx
 import openai
-import psutil
 import pytest
 
 from rlgate.rollout.parity import _reference_logprobs
-from tests.support import free_port, gateway_fixture, key_of, prompt_len, publish_perturbed, until_served
+from tests.support import (
+    free_port,
+    gateway_fixture,
+    key_of,
+    prompt_len,
+    publish_perturbed,
+    replica_process,
+    until_served,
+)
 
 NAME = "gw-colo"
 SETTINGS = {
@@ -89,15 +96,6 @@ def test_published_weights_reach_the_colocated_engine(colo, ray_session, referen
     assert record["logprobs"][start:] == pytest.approx(_reference_logprobs(stepped, prompt, completion), abs=1e-4)
 
 
-def replica_pid() -> int:
-    [replica] = [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if f"ServeReplica:{NAME}:Gateway" in " ".join(p.info["cmdline"] or [])
-    ]
-    return replica.pid
-
-
 def test_a_killed_colocated_replica_hands_its_sessions_to_its_successor(colo, ray_session, reference_model):
     app = colo
     store = ray_session.get_actor(f"rlgate-{NAME}-policy", namespace="rlgate")
@@ -111,7 +109,7 @@ def test_a_killed_colocated_replica_hands_its_sessions_to_its_successor(colo, ra
     chat(app, done["api_key"], messages)
     assert httpx.post(f"{app.url}/rl/end_session", headers=key_of(done["api_key"])).status_code == 200
 
-    os.kill(replica_pid(), signal.SIGKILL)
+    os.kill(replica_process(NAME, "Gateway").pid, signal.SIGKILL)
 
     messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "on"}]
     body = {"model": "tiny-random", "messages": messages, "max_tokens": 4}

@@ -9,10 +9,9 @@ import time
 
 import httpx
 import openai
-import psutil
 import pytest
 
-from tests.support import gateway_fixture
+from tests.support import gateway_fixture, replica_process
 
 SETTINGS = {
     "model": {"name": "tiny-random"},
@@ -159,21 +158,9 @@ def test_idle_sessions_are_ended_and_exported(clean):
     assert gone.value.status_code == 410
 
 
-def _engine_processes():
-    """vLLM's engine processes under the gw-small RolloutServer replica: its process
-    as this cluster's state API has it (another cluster on the machine may run an app
-    of the same name)."""
-    import ray
-    from ray.util.state import list_actors
-
-    filters = [("class_name", "=", "ServeReplica:gw-small:RolloutServer"), ("state", "=", "ALIVE")]
-    [replica] = list_actors(address=ray.get_runtime_context().gcs_address, filters=filters)
-    return psutil.Process(replica.pid).children(recursive=True)
-
-
 def test_a_crashed_engine_gives_503_then_serve_replaces_it(clean):
     session = clean.start_session("crash")
-    children = _engine_processes()
+    children = replica_process("gw-small", "RolloutServer").children(recursive=True)
     assert children, "expected vLLM's engine processes under the replica"
     for child in children:
         child.send_signal(signal.SIGKILL)

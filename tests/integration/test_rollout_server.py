@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from rlgate.config import load_config
 from rlgate.rollout.engines import SamplingParams
 from rlgate.rollout.parity import _one_optimizer_step, _reference_logprobs
-from tests.support import ROOT
+from tests.support import ROOT, replica_process
 
 
 @pytest.fixture(scope="module")
@@ -91,17 +91,12 @@ def test_bad_sampling_parameters_name_the_field(rollout, prompts):
 def test_the_replicas_cpu_engine_core_starts_with_the_cpu_defaults(rollout):
     """The settings ``cpu_environment_defaults`` names reach the process that runs the
     model (vLLM spawns it from the replica; libgomp reads its spin count as it loads)."""
-    import psutil
 
     from rlgate.rollout.engines.vllm import cpu_environment_defaults
 
     if rollout.health.remote().result()["engine"] != "vllm":
         pytest.skip("the HF engine has no engine core")
-    [replica] = [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if "ServeReplica:rollout-test:RolloutServer" in " ".join(p.info["cmdline"] or [])
-    ]
+    replica = replica_process("rollout-test", "RolloutServer")
     [core] = [p for p in replica.children(recursive=True) if "VLLM::EngineCore" in " ".join(p.cmdline())]
     environ = core.environ()
     for key, value in cpu_environment_defaults().items():

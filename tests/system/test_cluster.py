@@ -12,7 +12,6 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -29,12 +28,8 @@ ADMIN_KEY = "cluster-test-admin-key-0123456789"
 pytestmark = pytest.mark.long  # minutes: `make test` hands this module out first
 
 
-@dataclass
-class Cluster:
-    nodes: RayNodes
-
-    def __getattr__(self, name):  # gcs, dashboard, env, logs, state(): the nodes'
-        return getattr(self.nodes, name)
+class Cluster(RayNodes):
+    """The two nodes, with the calls the tests make of them."""
 
     def cli(self, *args: str, timeout: float = 300) -> str:
         done = subprocess.run(
@@ -70,11 +65,11 @@ def cluster(tmp_path_factory):
     """A head node offering rlgate_rollout and a worker node offering
     rlgate_trainer, two CPUs each, every port and the temp dir their own (the
     test session's Ray runs beside them)."""
-    nodes = RayNodes.head(tmp_path_factory.mktemp("cluster"), 2, {ROLLOUT_RESOURCE: 1}, metrics_ports=2)
+    nodes = Cluster.head(tmp_path_factory.mktemp("cluster"), 2, {ROLLOUT_RESOURCE: 1}, nodes=2)
     try:
         nodes.worker("worker", 2, {TRAINER_RESOURCE: 1})
         wait_for("two nodes", lambda: sum(n["state"] == "ALIVE" for n in nodes.state("nodes")) == 2, 120)
-        yield Cluster(nodes)
+        yield nodes
     finally:  # every process below the nodes is gone before the next module starts
         nodes.stop()
 

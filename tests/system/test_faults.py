@@ -14,10 +14,9 @@ import time
 
 import httpx
 import openai
-import psutil
 import pytest
 
-from tests.support import gateway_fixture
+from tests.support import gateway_fixture, replica_process
 
 # room for the long answers the killed-replica test needs in flight at once
 SETTINGS = {"model": {"name": "tiny-random"}, "rollout": {"engine": "hf", "max_model_len": 4096}}
@@ -285,15 +284,6 @@ def test_a_killed_capacity_actor_comes_back_and_admission_stays_exact(faults, ra
     assert books() == before
 
 
-def replica_pid(app_name: str, deployment: str = "RolloutServer") -> int:
-    [replica] = [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if f"ServeReplica:{app_name}:{deployment}" in " ".join(p.info["cmdline"] or [])
-    ]
-    return replica.pid
-
-
 def test_a_killed_gateway_replica_loses_no_session(faults, ray_session):
     """SIGKILL the Gateway replica (split shape: sessions in the SessionStore): the
     requests that meet the dead replica get a 5xx from Serve's proxy; once Serve
@@ -306,7 +296,7 @@ def test_a_killed_gateway_replica_loses_no_session(faults, ray_session):
     first = httpx.post(url, json=body, headers=session(app, started["api_key"]), timeout=60)
     assert first.status_code == 200, first.text
 
-    os.kill(replica_pid("gw-faults", "Gateway"), signal.SIGKILL)
+    os.kill(replica_process("gw-faults", "Gateway").pid, signal.SIGKILL)
     messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]}]
     body["messages"] = messages + [{"role": "user", "content": "on"}]
     seen, deadline = [], time.monotonic() + 180
@@ -370,7 +360,7 @@ def test_a_killed_rollout_replica_fails_its_requests_cleanly_and_returns_on_the_
             assert not streamed.done(), "the stream ended before the second request arrived"
             assert time.monotonic() < deadline, "the requests never ran together"
             time.sleep(0.05)
-        os.kill(replica_pid("gw-faults"), signal.SIGKILL)
+        os.kill(replica_process("gw-faults", "RolloutServer").pid, signal.SIGKILL)
         answer, lines = answered.result(), streamed.result()
     assert answer.status_code == 503 and "rollout engine" in answer.json()["error"]["message"]
     last = json.loads(lines[-1].removeprefix("data: "))
