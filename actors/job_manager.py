@@ -145,7 +145,9 @@ class JobManager:
             raise SessionError(422, f"invalid job config: {err}") from None
         config.jobs = self.jobs_section.model_copy()  # the operator's rule, not the job's; its driver checks it too
         config.model.name = config.jobs.models.get(config.model.name, config.model.name)
-        if "num_cpus" not in config.rollout.model_fields_set:  # unsaid: the gateway's default for jobs
+        if "engine" not in config.rollout.model_fields_set:  # unsaid: the gateway's default for jobs
+            config.rollout.engine = config.jobs.engine
+        if "num_cpus" not in config.rollout.model_fields_set:
             config.rollout.num_cpus = config.jobs.cpus_per_bundle
         if "cpus_per_worker" not in config.compute.model_fields_set:
             config.compute.cpus_per_worker = config.jobs.cpus_per_bundle

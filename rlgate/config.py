@@ -457,6 +457,11 @@ class JobsConfig(_Section):
         description="CPUs a job's rollout replicas and trainer workers reserve when its config does not say "
         "([rollout] num_cpus, [compute] cpus_per_worker): a job fits beside a gateway on a small machine.",
     )
+    engine: Literal["vllm", "hf", "auto"] = Field(
+        "auto",
+        description="The rollout engine of a job whose config does not name one ([rollout] engine; synth-ai's "
+        "configs never do): auto picks vLLM when it is installed, else the HF engine.",
+    )
     models: dict[str, str] = Field(
         default_factory=dict,
         description="Model names a job may ask for, mapped to what this cluster loads (a local folder, a built-in "

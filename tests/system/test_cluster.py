@@ -265,15 +265,15 @@ def test_an_admin_key_is_judged_where_serve_really_listens(cluster, tmp_path, ti
         return httpx.get(f"{cluster.dashboard}/api/serve/applications/", timeout=30).json()["applications"]
 
     try:
-        for attempt, env_vars in enumerate([{"RLGATE_ADMIN_KEY": "changeme"}, {"RLGATE_ADMIN_KEY": ""}]):
-            if attempt:  # a fresh controller, so the failure below is this deploy's
-                cluster.cli("serve", "shutdown", f"--address={cluster.dashboard}", "--yes")
+        for name, env_vars in [("rlgate", {"RLGATE_ADMIN_KEY": "changeme"}), ("again", {"RLGATE_ADMIN_KEY": ""})]:
+            shipped["name"] = name  # a new application each time, so the failure below is this deploy's
+            (tmp_path / "serve.yaml").write_text(yaml.safe_dump(spec))
             runtime_env = json.dumps({"env_vars": env_vars})
             serve_run = ["serve", "run", str(tmp_path / "serve.yaml"), f"--address={cluster.gcs}"]
             cluster.cli(*serve_run, f"--working-dir={ROOT}", f"--runtime-env-json={runtime_env}", "--non-blocking")
             failed = wait_for(
                 "the deploy to fail",
-                lambda: (app := application().get("rlgate", {})).get("status") == "DEPLOY_FAILED" and app,
+                lambda name=name: (app := application().get(name, {})).get("status") == "DEPLOY_FAILED" and app,
                 300,
                 context=lambda: json.dumps(application())[-3000:],
             )

@@ -29,11 +29,14 @@ def jobsgw(ray_session, tmp_path_factory):
     port = int(ray_session.serve_url.rsplit(":", 1)[1])
     settings = {
         "model": {"name": "tiny-random"},
-        # its own engine only answers the CLI's session calls; each job starts its own (vLLM)
+        # its own engine only answers the CLI's session calls; each job starts its own
         "rollout": {"engine": "hf", "max_model_len": 512},
         "gateway": {"port": port, "max_running_jobs": 1},
         "jobs": {
             "task_app_hosts": ["127.0.0.1"],  # the tests' task apps run on loopback
+            # the HF engine, for jobs that do not name one: these tests are of the job's path (its driver's
+            # vLLM runs are test_training's); vLLM's start costs a job about 25 CPU-seconds more
+            "engine": "hf",
             "models": {"Qwen/Qwen3-0.6B": "tiny-random"},  # what synth-ai's SDK may name, as this cluster has it
         },
     }

@@ -32,7 +32,7 @@ def reward(completion, row, messages):
 """
 
 
-POOL_STEPS = 16
+POOL_STEPS = 10  # each run's mean over steps 6-10 beat its step 1 by 0.31 and 0.33 in the runs seen
 RUNS = {"a": "abcdefghijklm", "b": "nopqrstuvwxyz"}  # opposite rewards: crossing adapters would show
 
 
@@ -406,10 +406,10 @@ def test_bad_configs_and_overrides_are_one_line_errors(tmp_path):
     assert bad_name.returncode != 0 and "run_name" in bad_name.stderr and "Traceback" not in bad_name.stderr
 
 
-def test_a_run_the_cluster_can_never_hold_stops_before_anything_is_deployed(tmp_path):
+def test_a_run_the_cluster_can_never_hold_stops_before_anything_is_deployed(tmp_path, joined):
     path = config(tmp_path, total_steps=1)
     path.write_text(path.read_text().replace("[rollout]\n", "[rollout]\nnum_gpus = 1\n"))  # this machine has none
-    done = train(path)
+    done = train(path, env=joined.env)  # the test session's cluster, which has no GPU either
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "rlgate: the cluster can never run this: it needs 1 GPU in all (the cluster has 0)" in done.stderr
     assert "gateway at" not in done.stdout  # nothing was served
@@ -522,7 +522,7 @@ def test_two_runs_share_one_engine_each_training_and_served_by_its_own_adapter(t
         text = text.replace("batch_size = 8\ngroup_size = 4", "batch_size = 32\ngroup_size = 8")
         text = text.replace("max_tokens = 12", "max_tokens = 4")
         # four groups of 8 a step: with two (16 samples) a step's mean reward is noisy enough (sd ~0.07) that a
-        # slow climb read against step 1 fell short in CI; with 32 each run's last half beat step 1 by 0.25+
+        # slow climb read against step 1 fell short in CI; with 32 each run's last half beat step 1 by 0.3
         # the entropy bonus keeps a policy from collapsing onto one reply whose reward is short of 1.0 (every
         # group then has equal rewards and no gradient: seen once at 0.67 without it)
         lora = f"[training.lora]\nrank = {rank}\nalpha = 16\nsave_merged = true\n"
@@ -570,7 +570,7 @@ def test_two_runs_share_one_engine_each_training_and_served_by_its_own_adapter(t
     # exactly one of the two halves), so a sum well above 1 needs two policies, each trained towards its half
     assert sum(late.values()) > 1.2, late
 
-    # Run 'a' goes on alone from its step-16 checkpoint: colocated, a KL term to the base, two threads
+    # Run 'a' goes on alone from its last checkpoint: colocated, a KL term to the base, two threads
     resume = tmp_path / "a" / "resume.toml"
     text = (tmp_path / "a" / f"train-{POOL_STEPS}.toml").read_text().replace('pool = "shared"\n', "")
     text = text.replace("[gateway]\n", f"[gateway]\ncolocate = true\ndirect_port = {free_port()}\n")
@@ -618,10 +618,12 @@ def test_two_runs_share_one_engine_each_training_and_served_by_its_own_adapter(t
     assert (tmp_path / "out" / "adapter_config.json").is_file()
     assert "library_name: peft" in (tmp_path / "out" / "README.md").read_text()
 
-    # `rlgate eval` of the run: its latest checkpoint (the base model with the adapter) on held-out problems
-    report_file = tmp_path / "eval.json"
+    # `rlgate eval` of the run: its latest checkpoint (the base model with the adapter) on held-out problems,
+    # served by the HF engine (vLLM just served the adapter to the resumed run; this is the command's path)
+    report_file, evaluation = tmp_path / "eval.json", tmp_path / "a" / "eval.toml"
+    evaluation.write_text(resume.read_text().replace('engine = "auto"', 'engine = "hf"'))
     evaluated = subprocess.run(
-        [sys.executable, "-m", "rlgate.cli", "eval", "--config", str(resume), "--model", str(run)]
+        [sys.executable, "-m", "rlgate.cli", "eval", "--config", str(evaluation), "--model", str(run)]
         + ["--seeds", "0-3", "--n", "2", "--threshold", "0.5", "--json", str(report_file)],
         cwd=ROOT,
         env=driver_env() | joined.env,

@@ -61,10 +61,10 @@ def ray_jobs(monkeypatch) -> FakeRayJobs:
     return FakeRayJobs()
 
 
-def manager(tmp_path, ray_jobs: FakeRayJobs, hosts=("127.0.0.1",), max_running: int = 1) -> JobManager:
+def manager(tmp_path, ray_jobs: FakeRayJobs, hosts=("127.0.0.1",), max_running: int = 1, **rules) -> JobManager:
     """A JobManager over ``tmp_path/jobs`` (a second one over the same folder is a restart)."""
     gateway = {"host": "127.0.0.1", "port": 8000}
-    rules = {"task_app_hosts": list(hosts)}
+    rules = {"task_app_hosts": list(hosts)} | rules
     return JobManager(str(tmp_path / "jobs"), gateway, max_running, rules, name="rlgate-t-jobs", client=ray_jobs)
 
 
@@ -248,15 +248,17 @@ async def test_a_job_waiting_for_resources_says_why_in_its_status_and_events(tmp
     assert events[-1][0] == "rl.resources"
 
 
-async def test_a_jobs_unsaid_cpus_are_the_gateways_default_for_jobs(tmp_path, ray_jobs):
+async def test_a_jobs_unsaid_cpus_and_engine_are_the_gateways_default_for_jobs(tmp_path, ray_jobs):
     import tomllib
 
-    jobs_manager = manager(tmp_path, ray_jobs)
+    jobs_manager = manager(tmp_path, ray_jobs, engine="hf")
     unsaid = (await jobs_manager.submit(body(), None))["job_id"]
-    said = (await jobs_manager.submit(body(rollout={"num_cpus": 2}, compute={"cpus_per_worker": 3}), None))["job_id"]
-    for job_id, cpus in ((unsaid, (0.5, 0.5)), (said, (2, 3))):
+    said = body(rollout={"num_cpus": 2, "engine": "vllm"}, compute={"cpus_per_worker": 3})
+    said = (await jobs_manager.submit(said, None))["job_id"]
+    for job_id, cpus, engine in ((unsaid, (0.5, 0.5), "hf"), (said, (2, 3), "vllm")):
         config = tomllib.loads((jobs_manager.book.folder(job_id) / "config.toml").read_text())
         assert (config["rollout"]["num_cpus"], config["compute"]["cpus_per_worker"]) == cpus
+        assert config["rollout"]["engine"] == engine
 
 
 async def test_a_queued_job_says_what_it_waits_for(tmp_path, ray_jobs):
