@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from rlgate.jobs.egress import Allowlist
 
 
+EngineKind = Literal["vllm", "hf", "auto"]  # [rollout] engine, and [jobs] engine for jobs that name none
+
+
 class ConfigError(ValueError):
     """A configuration file that cannot be used; the message names the key."""
 
@@ -43,7 +46,7 @@ class ModelConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["vllm", "hf", "auto"] = Field(
+    engine: EngineKind = Field(
         "auto", description="Rollout engine; auto picks vLLM when it is installed, else the HF engine."
     )
     replicas: int = Field(1, ge=1, le=1024, description="RolloutServer replicas (one engine each).")
@@ -457,7 +460,7 @@ class JobsConfig(_Section):
         description="CPUs a job's rollout replicas and trainer workers reserve when its config does not say "
         "([rollout] num_cpus, [compute] cpus_per_worker): a job fits beside a gateway on a small machine.",
     )
-    engine: Literal["vllm", "hf", "auto"] = Field(
+    engine: EngineKind = Field(
         "auto",
         description="The rollout engine of a job whose config does not name one ([rollout] engine; synth-ai's "
         "configs never do): auto picks vLLM when it is installed, else the HF engine.",
