@@ -15,6 +15,12 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 # engines do, not libgomp's 300,000: `make test` runs two workers on two cores, and a thread
 # spinning between parallel sections takes the core the other worker's processes wait for
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+# Each `make test` worker computes on one thread, its vLLM engines bound to a core of their own:
+# two workers' engines and trainers each asking for both cores meet at every parallel section
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    core = int(os.environ["PYTEST_XDIST_WORKER"][2:]) % (os.cpu_count() or 1)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(core))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
