@@ -64,3 +64,15 @@ def per_turn(by_process: dict[str, float], turns: int) -> dict[str, float]:
     out = {label: round(seconds * scale, 2) for label, seconds in by_process.items() if seconds * scale >= 0.01}
     out["total"] = round(sum(by_process.values()) * scale, 2)
     return out
+
+
+def resident_bytes(labels: set[str]) -> int:
+    """Resident memory (RSS) summed over the descendants whose :func:`_label` is in ``labels``."""
+    total = 0
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if _label(process) in labels:
+                total += process.memory_info().rss
+        except psutil.Error:
+            continue
+    return total

@@ -11,7 +11,8 @@ end. Against vLLM the same agents send the same conversations with no
 session calls. Everything is on loopback. Reports sessions/s, turns/s,
 p50/p99 latency per call, errors by status, the resident memory that open
 sessions add (Gateway replica + SessionStore, sampled every second, over the
-most sessions open at once), and checks that every session whose end was
+most sessions open at once) beside what the same agents add to vLLM's API
+server (the load itself: connections, requests in flight), and checks that every session whose end was
 acknowledged was saved exactly once.
 """
 
@@ -35,8 +36,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
-import psutil  # noqa: E402
-from cost import cpu_seconds, own_seconds, per_turn, spent  # noqa: E402
+from cost import cpu_seconds, own_seconds, per_turn, resident_bytes, spent  # noqa: E402
 from gateway import QUESTIONS, rlgate_server, vllm_server  # noqa: E402
 
 from rlgate.models import prepare_model  # noqa: E402
@@ -143,28 +143,40 @@ async def peer_agent(url: str, index: int, args, tally: Tally, deadline: float) 
             await conversation(client, "bench", args.turns, index, tally, args.max_tokens, args.peer_logprobs)
 
 
-def rss_of(markers: tuple[str, ...]) -> int:
-    total = 0
-    for process in psutil.process_iter(["cmdline", "memory_info"]):
-        line = " ".join(process.info["cmdline"] or [])
-        if any(marker in line for marker in markers) and process.info["memory_info"]:
-            total += process.info["memory_info"].rss
-    return total
+# the processes that hold sessions, and their counterpart in vLLM's server (its HTTP front end
+# and engine client; the engine core is a process of its own on both sides)
+RLGATE_FRONT = {"ray::ServeReplica:load:Gateway", "ray::SessionStore"}
+PEER_FRONT = {"vllm api_server"}
+
+
+async def peak_resident(labels: set[str], deadline: float, peak: dict, open_now=None) -> None:
+    """Sample the resident memory of ``labels`` each second until ``deadline``; ``peak`` keeps the
+    most, with the open sessions counted then (``open_now``: a coroutine function) where given."""
+    while time.monotonic() < deadline:
+        count = await open_now() if open_now else 0
+        if count >= peak.get("open", 0):
+            peak.update(open=count, rss=max(peak.get("rss", 0), resident_bytes(labels)))
+        await asyncio.sleep(1)
+
+
+WARM_UP_AGENTS, WARM_UP_S = 8, 2.0
 
 
 async def run_rlgate(url: str, admin: str, args) -> dict:
-    tally, markers = Tally(), ("ServeReplica:load:Gateway", "ray::SessionStore")
-    baseline, peak = rss_of(markers), {"open": 0, "rss": 0}
+    # a few sessions first, so the memory baseline is of a server that has served (caches, lazy imports)
+    tally, warm, deadline = Tally(), Tally(), time.monotonic() + WARM_UP_S
+    await asyncio.gather(*[rlgate_agent(url, admin, i, args, warm, deadline) for i in range(WARM_UP_AGENTS)])
+    baseline, peak = resident_bytes(RLGATE_FRONT), {"open": 0, "rss": 0}
     deadline = time.monotonic() + args.seconds
 
     async def sample() -> None:
         async with httpx.AsyncClient(timeout=30) as http:
-            while time.monotonic() < deadline:
-                status = (await http.get(f"{url}/rl/status", headers={"Authorization": f"Bearer {admin}"})).json()
-                open_now = status["sessions"]["open_sessions"]
-                if open_now >= peak["open"]:
-                    peak.update(open=open_now, rss=rss_of(markers))
-                await asyncio.sleep(1)
+
+            async def open_now() -> int:
+                status = await http.get(f"{url}/rl/status", headers={"Authorization": f"Bearer {admin}"})
+                return status.json()["sessions"]["open_sessions"]
+
+            await peak_resident(RLGATE_FRONT, deadline, peak, open_now)
 
     started, cpu_before, client_before = time.monotonic(), cpu_seconds(), own_seconds()
     # through Serve's proxy every agent uses one URL; on the direct ports of colocated replicas agent i
@@ -186,7 +198,7 @@ async def run_rlgate(url: str, admin: str, args) -> dict:
         ).text.splitlines()
     saved = collections.Counter(json.loads(line)["session_id"] for line in lines)
     # a session saves a record per answered turn ("individual" export); one with none saves nothing
-    expected = {session: turns for session, turns in tally.ended.items() if turns}
+    expected = {session: turns for session, turns in (warm.ended | tally.ended).items() if turns}
     result["sessions_ended"] = len(tally.ended)
     result["sessions_saved"] = len(saved)
     result["saved_exactly_once"] = dict(saved) == expected
@@ -203,17 +215,27 @@ def bench_rlgate(args) -> dict:
 
 def bench_peer(args) -> dict:
     with vllm_server(prepare_model(args.model)) as url:
-        tally = Tally()
+
+        async def warm_up():  # as the rlgate side does, before its memory baseline
+            deadline = time.monotonic() + WARM_UP_S
+            await asyncio.gather(*[peer_agent(url, i, args, Tally(), deadline) for i in range(WARM_UP_AGENTS)])
+
+        asyncio.run(warm_up())
+        tally, baseline, peak = Tally(), resident_bytes(PEER_FRONT), {"rss": 0}
         deadline = time.monotonic() + args.seconds
         started, cpu_before, client_before = time.monotonic(), cpu_seconds(), own_seconds()
 
         async def agents():
-            await asyncio.gather(*[peer_agent(url, i, args, tally, deadline) for i in range(args.sessions)])
+            agents = [peer_agent(url, i, args, tally, deadline) for i in range(args.sessions)]
+            await asyncio.gather(peak_resident(PEER_FRONT, deadline, peak), *agents)
 
         asyncio.run(agents())
-        return tally.summary(
+        result = tally.summary(
             time.monotonic() - started, spent(cpu_before, cpu_seconds()), own_seconds() - client_before
         )
+        # the same load with no sessions: what serving this many agents at once costs a front end
+        result["rss_per_agent_kib"] = (peak["rss"] - baseline) / args.sessions / 1024
+        return result
 
 
 def main() -> None:
@@ -305,7 +327,8 @@ def main() -> None:
         peer, ours = measured["vllm"], measured["rlgate"]
         console.print(
             f"round {n}: rlgate: {ours['peak_open_sessions']} sessions open at most, "
-            f"{ours['rss_per_open_session_kib']:.0f} KiB resident per open session (Gateway + SessionStore); "
+            f"{ours['rss_per_open_session_kib']:.0f} KiB resident per open session (Gateway + SessionStore; "
+            f"vLLM's API server under the same agents: {peer['rss_per_agent_kib']:.0f} KiB per agent); "
             f"{ours['sessions_ended']} sessions ended, {ours['sessions_saved']} saved, "
             f"each exactly once with all its turns: {ours['saved_exactly_once']}"
         )
