@@ -441,7 +441,8 @@ class SessionManager:
         try:
             tokens = stored_tokens(interactions)
             self._within_limits(session, len(interactions), tokens)
-            self._journal("record this completion", lambda journal: journal.recorded(session_id, interactions))
+            earlier = session.trajectory.interactions
+            self._journal("record this completion", lambda journal: journal.recorded(session_id, interactions, earlier))
             for interaction in interactions:
                 session.trajectory.add(interaction)
             session.stored_tokens += tokens

@@ -229,6 +229,56 @@ def test_the_choices_of_one_request_store_their_prompt_once(tmp_path):
     assert restored.sessions[a].stored_tokens == 416
 
 
+def test_a_long_session_journals_each_token_once_and_comes_back_whole(tmp_path):
+    """Each turn continues the last: its prompt is the previous prompt and completion
+    and a new message. The journal holds each token once (a full prompt a turn would
+    write the first message ten times), and replays every prompt whole."""
+    path = tmp_path / "journal.jsonl"
+    store = manager(SessionJournal(path), [])
+    first = list(range(1000, 1400))  # a long first message
+    turns, parent = [], None
+    for i in range(10):
+        prompt = (parent.sequence if parent else first) + list(range(5000 + 100 * i, 5050 + 100 * i))
+        parent = Interaction(f"c{i}", prompt, [7, i], [-0.5, -0.25], [0, 0], "stop", parent=parent and parent.id)
+        turns.append(parent)
+
+    async def run():
+        a = await store.start("task", "hash-a")
+        for interaction in turns:
+            store.begin("hash-a", [])
+            store.record(a, [interaction])
+        return a
+
+    a = asyncio.run(run())
+    text = path.read_text()
+    assert text.count("1399") == 1 and text.count("5949") == 1  # the first message and the last turn's, once
+    restored = manager(SessionJournal(path), [])
+    restored.restore()
+    again = list(restored.sessions[a].trajectory.interactions.values())
+    assert [(i.id, i.parent, i.prompt_ids, i.completion_ids) for i in again] == [
+        (i.id, i.parent, i.prompt_ids, i.completion_ids) for i in turns
+    ]
+    assert restored.sessions[a].stored_tokens == store.sessions[a].stored_tokens
+    restored.journal.compact(restored.sessions.values(), {})  # compacted, it is written the same way
+    assert path.read_text().count("1399") == 1
+    again = manager(SessionJournal(path), [])
+    again.restore()
+    assert [i.prompt_ids for i in again.sessions[a].trajectory.interactions.values()] == [i.prompt_ids for i in turns]
+
+
+def test_a_record_whose_prompt_does_not_continue_its_parent_is_journaled_whole(tmp_path):
+    """A parent named but not continued (the trajectory refuses it): the journal keeps
+    the prompt as it was given, so a replay refuses the same thing, nothing more."""
+    from rlgate.sessions.journal import _as_continuation
+
+    parent = turn(0)
+    assert _as_continuation(turn(1, parent), {"c0": parent}) == {"parent": "c0", "after": [11]}
+    stray = Interaction("c1", [1, 2, 99, 20, 21, 11], [5], [-0.1], [0], "stop", parent="c0")
+    assert _as_continuation(stray, {"c0": parent}) is None
+    assert _as_continuation(turn(1, parent), {}) is None  # a parent it does not know
+    assert _as_continuation(turn(1), {"c0": parent}) is None  # no parent
+
+
 def test_a_session_stops_growing_at_its_limits(tmp_path):
     store = SessionManager(Slots(), _collect([]), max_interactions=3, max_tokens=2000)
 
@@ -269,6 +319,40 @@ def test_a_journal_too_big_to_read_back_is_a_clear_error_not_a_restart_loop(tmp_
         assert refused.value.status == 503 and "too big to read back" in refused.value.message
         assert str(path) in refused.value.message and "move the file away" in refused.value.message
     assert path.stat().st_size == size  # the journal is left as it was for the operator
+
+
+def test_a_journal_of_long_sessions_is_judged_by_what_its_continuations_take_back(tmp_path):
+    """A continuation is a few tokens on disk but its whole prompt in memory: the
+    replay counts what continuations take from their parents as it reads, and stops
+    with the same clear error before it would pass the memory there is."""
+    from rlgate.sessions.journal import REPLAY_EXPANSION, SLOT_BYTES
+
+    path = tmp_path / "journal.jsonl"
+    store = manager(SessionJournal(path), [])
+    first = list(range(1000, 3000))
+    parent = None
+
+    async def run():
+        nonlocal parent
+        a = await store.start("task", "hash-a")
+        for i in range(20):
+            prompt = (parent.sequence if parent else first) + [5000 + i]
+            parent = Interaction(f"c{i}", prompt, [7, i], [-0.5, -0.25], [0, 0], "stop", parent=parent and parent.id)
+            store.begin("hash-a", [])
+            store.record(a, [parent])
+
+    asyncio.run(run())
+    size = path.stat().st_size
+    turns = list(store.sessions[next(iter(store.sessions))].trajectory.interactions.values())
+    shared = sum(len(earlier.sequence) for earlier in turns[:-1])  # each turn's prompt starts with the last's
+    needed = size * REPLAY_EXPANSION + SLOT_BYTES * shared
+    assert needed > 2 * size * REPLAY_EXPANSION  # the prompts' slots are most of it
+    short = manager(SessionJournal(path), [])
+    assert short.restore(available_memory=needed - 1) == 0  # read up to the line that would pass it, then refused
+    assert not short.sessions and "too big to read back" in short.refusing and "long sessions" in short.refusing
+    assert path.stat().st_size == size
+    enough = manager(SessionJournal(path), [])  # (restored, it compacts the file)
+    assert enough.restore(available_memory=needed) == 1
 
 
 def test_a_line_it_cannot_apply_costs_that_line_only(tmp_path, caplog):
