@@ -115,17 +115,17 @@ class SessionJournal:
             import psutil
 
             available = psutil.virtual_memory().available
-        needed = size * REPLAY_EXPANSION  # and a slot for each token continuations share, counted as read
-        if needed > available:
+        if size * REPLAY_EXPANSION > available:
             raise self._too_big(size, available)
         sessions: dict[str, dict] = {}
         ended: dict[str, float] = {}
+        shared = [0]  # tokens continuations took from their parents so far (a line applied in part counts too)
         for entry in self._entries():
             try:
-                needed += SLOT_BYTES * self._apply(entry, sessions, ended)
+                self._apply(entry, sessions, ended, shared)
             except Exception as err:  # one bad line costs that line, not the store (nor a restart loop)
                 logger.warning("journal %s: skipped an entry it cannot apply (%s): %.200s", self.path, err, entry)
-            if needed > available:  # stopped before it would run out
+            if size * REPLAY_EXPANSION + SLOT_BYTES * shared[0] > available:  # stopped before it would run out
                 raise self._too_big(size, available)
         cutoff = time.time() - ENDED_MEMORY_S
         live_keys = {s["key_hash"] for s in sessions.values()}
@@ -142,9 +142,9 @@ class SessionJournal:
         )
 
     @staticmethod
-    def _apply(entry: dict, sessions: dict[str, dict], ended: dict[str, float]) -> int:
-        """Apply one entry; returns how many tokens its prompts took from their parents."""
-        op, session_id, shared = entry["op"], entry.get("id"), 0
+    def _apply(entry: dict, sessions: dict[str, dict], ended: dict[str, float], shared: list[int]) -> None:
+        """Apply one entry, adding to ``shared[0]`` the tokens its prompts take from their parents."""
+        op, session_id = entry["op"], entry.get("id")
         if op == "open":
             for field in OPEN_FIELDS:  # what taking the session back reads
                 entry[field]
@@ -160,7 +160,7 @@ class SessionJournal:
                     if isinstance(prompts[index], dict):  # a continuation: its parent's sequence, then the rest
                         parent = trajectory.interactions[prompts[index]["parent"]]
                         prompts[index] = parent.sequence + prompts[index]["after"]
-                        shared += len(parent.sequence)
+                        shared[0] += len(parent.sequence)
                     fields["prompt_ids"] = prompts[index]  # shared again, as when recorded
                 trajectory.add(Interaction(**fields))
         elif op == "saving" and session_id in sessions:
@@ -176,7 +176,6 @@ class SessionJournal:
             ended[entry["key_hash"]] = at
         elif op == "ended":  # a compacted file's memory of ended keys
             ended[entry["key_hash"]] = float(entry["at"])
-        return shared
 
     def _entries(self):
         if not self.path.exists():
