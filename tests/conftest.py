@@ -15,6 +15,9 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 # engines do, not libgomp's 300,000: `make test` runs two workers on two cores, and a thread
 # spinning between parallel sections takes the core the other worker's processes wait for
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+# Ray's log monitor lists the log folder every 0.1 s while it holds under this many files; at 0 it
+# lists it every 0.5 s (new workers' logs still reach drivers): 4.3 ms/s of CPU an idle cluster, not 10.3
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 # Each `make test` worker computes on one thread, its vLLM engines bound to a core of their own:
 # two workers' engines and trainers each asking for both cores meet at every parallel section
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
