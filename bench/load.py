@@ -12,8 +12,8 @@ session calls. Everything is on loopback. Reports sessions/s, turns/s,
 p50/p99 latency per call, errors by status, the resident memory that open
 sessions add (Gateway replica + SessionStore, sampled every second, over the
 most sessions open at once) beside what the same agents add to vLLM's API
-server (the load itself: connections, requests in flight), and checks that every session whose end was
-acknowledged was saved exactly once.
+server (the load itself: connections, requests in flight), and checks that
+every session whose end was acknowledged was saved exactly once.
 """
 
 from __future__ import annotations

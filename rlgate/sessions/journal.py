@@ -158,9 +158,9 @@ class SessionJournal:
                 if prompts is not None:
                     index = fields["prompt_ids"]
                     if isinstance(prompts[index], dict):  # a continuation: its parent's sequence, then the rest
-                        parent = trajectory.interactions[prompts[index]["parent"]]
-                        prompts[index] = parent.sequence + prompts[index]["after"]
-                        shared[0] += len(parent.sequence)
+                        sequence = trajectory.interactions[prompts[index]["parent"]].sequence
+                        prompts[index] = sequence + prompts[index]["after"]
+                        shared[0] += len(sequence)
                     fields["prompt_ids"] = prompts[index]  # shared again, as when recorded
                 trajectory.add(Interaction(**fields))
         elif op == "saving" and session_id in sessions:
@@ -231,9 +231,6 @@ def _as_continuation(interaction: Interaction, earlier: dict[str, Interaction]) 
     """``{"parent": id, "after": tokens}`` where ``interaction``'s prompt is its
     parent's prompt and completion followed by ``after``; else None."""
     parent = earlier.get(interaction.parent) if interaction.parent is not None else None
-    if parent is None:
-        return None
-    prompt, start, end = interaction.prompt_ids, len(parent.prompt_ids), len(parent.sequence)
-    if prompt[:start] != parent.prompt_ids or prompt[start:end] != parent.completion_ids:
-        return None  # not a continuation after all: the trajectory refuses it, from the journal as at first
-    return {"parent": parent.id, "after": prompt[end:]}
+    if parent is None or not interaction.continues(parent):
+        return None  # (one that names a parent it does not continue is refused by the trajectory, then as now)
+    return {"parent": parent.id, "after": interaction.prompt_ids[len(parent.prompt_ids) + len(parent.completion_ids) :]}

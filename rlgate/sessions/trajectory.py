@@ -57,6 +57,11 @@ class Interaction:
     def sequence(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
 
+    def continues(self, parent: Interaction) -> bool:
+        """Whether this prompt starts with ``parent``'s prompt and completion, token for token."""
+        start, end = len(parent.prompt_ids), len(parent.prompt_ids) + len(parent.completion_ids)
+        return self.prompt_ids[:start] == parent.prompt_ids and self.prompt_ids[start:end] == parent.completion_ids
+
 
 class TrajectoryRecord(TypedDict):
     """A saved trajectory as it crosses processes and sits in the trajectory log:
@@ -134,7 +139,7 @@ class SessionTrajectory:
             if interaction.parent not in self.interactions:
                 raise ValueError(f"unknown parent interaction {interaction.parent!r}")
             parent = self.interactions[interaction.parent]
-            if interaction.prompt_ids[: len(parent.sequence)] != parent.sequence:
+            if not interaction.continues(parent):
                 raise ValueError("a continuation must start with its parent's prompt and completion ids")
         self.interactions[interaction.id] = interaction
         if interaction.key is not None:
