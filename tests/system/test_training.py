@@ -31,8 +31,21 @@ def reward(completion, row, messages):
     return sum(c in row["letters"] for c in letters) / len(letters) if letters else 0.0
 """
 
+# The pool test's reward: its letters' share of every character shown, so a byte-fallback token (decoded as
+# '\ufffd') or punctuation costs a reply what it takes up. (With letters alone as the denominator, such a token
+# rode along in rewarded replies until a policy collapsed onto it: no letters, reward 0 in every group, no way back.)
+LETTERS_REWARD = """
+def reward(completion, row, messages):
+    assert messages == [{"role": "user", "content": row["prompt"]}]
+    shown = [c for c in completion.lower() if not c.isspace()]
+    return sum(c in row["letters"] for c in shown) / len(shown) if shown else 0.0
+"""
 
-POOL_STEPS = 10  # simulated: each run's mean over steps 6-10 beat its step 1 by 0.45 (median), 0.05 in 99 %
+# scripts/pool_learning.py plays these runs in one process (the same model, adapter, trainer, loss, sampling and
+# reward): over 120 pairs each run's mean over steps 6-10 beat its step 1 by 0.57 (median; 0.15 at least) and
+# a + b came to 1.74 (median; 1.25 at least), no pair failing; with letters alone as the denominator 2 of 120 failed
+# (each a run collapsing below its start)
+POOL_STEPS = 10
 RUNS = {"a": "abcdefghijklm", "b": "nopqrstuvwxyz"}  # opposite rewards: crossing adapters would show
 
 
@@ -515,7 +528,7 @@ def test_two_runs_share_one_engine_each_training_and_served_by_its_own_adapter(t
         topics = ["the sea", "a cat", "music", "rain", "a garden", "the moon"]
         rows = [{"prompt": f"Say something about {topic}.", "letters": letters} for topic in topics]
         (folder / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-        (folder / "letters_reward.py").write_text(VOWELS_REWARD)
+        (folder / "letters_reward.py").write_text(LETTERS_REWARD)
         task = f'dataset = "{folder / "rows.jsonl"}"\nreward = "{folder / "letters_reward.py"}:reward"'
         path = config(folder, total_steps=POOL_STEPS, save_every=100, task=task)
         text = re.sub(r"\nport = \d+\n", f"\nport = {joined.port}\n", path.read_text())
@@ -530,7 +543,7 @@ def test_two_runs_share_one_engine_each_training_and_served_by_its_own_adapter(t
         # gradient is small, where GRPO's would be full size and AdamW at this lr could throw a policy at ~1.0
         # onto replies with no letters (reward 0, equal in every group: no way back). Simulated in-process
         # (the same trainer, loss and sampling, 10 steps), GRPO failed the checks below in ~2-4 % of pairs of
-        # runs, with or without an entropy bonus; Dr. GRPO in 2 of 250
+        # runs, with or without an entropy bonus; Dr. GRPO in 2 of 250 (see POOL_STEPS for the reward now used)
         lora = f"[training.lora]\nrank = {rank}\nalpha = 16\nsave_merged = true\n"
         path.write_text(text + lora + '[algorithm]\nvariety = "dr_grpo"\n')
         return path
@@ -572,8 +585,8 @@ def test_two_runs_share_one_engine_each_training_and_served_by_its_own_adapter(t
         rewards = [m["reward_mean"] for m in metrics]
         late[run] = sum(rewards[POOL_STEPS // 2 :]) / (POOL_STEPS - POOL_STEPS // 2)
         assert late[run] > rewards[0] + 0.05, (run, rewards)
-    # and each learnt its own: one policy serving both prompts alike scores a + b <= 1 (every letter counts for
-    # exactly one of the two halves), so a sum well above 1 needs two policies, each trained towards its half
+    # and each learnt its own: one policy serving both prompts alike scores a + b <= 1 (a shown character counts
+    # for at most one of the two halves), so a sum well above 1 needs two policies, each trained towards its half
     assert sum(late.values()) > 1.2, late
 
     # Run 'a' goes on alone from its last checkpoint: colocated, a KL term to the base, two threads
