@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import sys
 import tempfile
 import tomllib
@@ -97,7 +98,7 @@ def run_eval(args) -> int:
 
     from rich.console import Console
 
-    from rlgate.run import NAMESPACE, app_name
+    from rlgate.run import NAMESPACE, app_name, end_actors
     from rlgate.sdk.taskapp import environment_key
     from rlgate.training import driver
     from rlgate.training.evaluation import evaluate
@@ -134,8 +135,10 @@ def run_eval(args) -> int:
             evaluate(url, admin, play, items, settings.n, config.task.max_concurrent, settings.pass_threshold)
         )
     finally:
-        if local:
+        if local:  # nothing of the evaluation's own gateway is kept: its app, its run's actors, its folder
             serve.delete(app_name(config.gateway.run_name, config.gateway.route_prefix))
+            end_actors(config.gateway.run_name)
+            shutil.rmtree(config.gateway.run_dir, ignore_errors=True)
             if started_serve and not serve.status().applications:
                 serve.shutdown()
     result = {"model": served, **report.as_dict()}

@@ -517,7 +517,8 @@ def test_two_runs_share_one_engine_each_training_and_served_by_its_own_adapter(t
     Then run 'a' goes on alone with ``--resume``, colocated: its own engine starts on
     the checkpoint's adapter and serves it exactly. The checkpoint holds the adapter
     in PEFT format (and the merged model, asked for), not the model; ``rlgate
-    export`` and ``rlgate eval`` take the run's adapter."""
+    export`` and ``rlgate eval`` take the run's adapter (and eval keeps nothing of its gateway)."""
+    import ray
     from peft import PeftModel
     from ray import serve
     from transformers import AutoModelForCausalLM
@@ -641,11 +642,12 @@ def test_two_runs_share_one_engine_each_training_and_served_by_its_own_adapter(t
     # served by the HF engine (vLLM just served the adapter to the resumed run; this is the command's path)
     report_file, evaluation = tmp_path / "eval.json", tmp_path / "a" / "eval.toml"
     evaluation.write_text(resume.read_text().replace('engine = "auto"', 'engine = "hf"'))
+    (scratch := tmp_path / "scratch").mkdir()  # its temporary folders
     evaluated = subprocess.run(
         [sys.executable, "-m", "rlgate.cli", "eval", "--config", str(evaluation), "--model", str(run)]
         + ["--seeds", "0-3", "--n", "2", "--threshold", "0.5", "--json", str(report_file)],
         cwd=ROOT,
-        env=driver_env() | joined.env,
+        env=driver_env() | joined.env | {"TMPDIR": str(scratch)},
         capture_output=True,
         text=True,
         timeout=600,
@@ -656,3 +658,6 @@ def test_two_runs_share_one_engine_each_training_and_served_by_its_own_adapter(t
     assert [s["seed"] for s in report["seeds"]] == [0, 1, 2, 3] and report["episodes"] + report["failed"] == 8
     assert set(report["pass_at"]) == {"1", "2"} and 0 <= report["mean_reward"] <= 1
     assert "pass@2" in evaluated.stdout  # the table (the JSON went to its file)
+    # and it kept nothing of its own gateway: no run actors left in the cluster, no sessions folder
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("rlgate-a-eval-")]
+    assert not list(scratch.glob("rlgate-eval-*"))
