@@ -26,8 +26,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -405,13 +407,54 @@ def deploy_gateway(config: RLGateConfig, serving: Serving, version: int, key: Ad
     if "access_log" not in gateway.model_fields_set:
         gateway.access_log = False
     app = build_app(config, hash_key(key.value), initial_version=version, key_fit_for_public=key.fit_for_public)
-    serve.run(app, name=app_name(gateway.run_name, prefix), route_prefix=prefix, logging_config=QUIET)
+    name = app_name(gateway.run_name, prefix)
+    with said_while_slow("deploying the gateway", partial(app_state, name)):  # Serve's own logs are quiet
+        serve.run(app, name=name, route_prefix=prefix, logging_config=QUIET)
     address = "127.0.0.1" if serving.host in ("0.0.0.0", "::") else serving.host
     url = f"http://{address}:{serving.port}{prefix.rstrip('/')}"
     print(f"rlgate: gateway at {url} (OpenAI base URL {url}/v1)", flush=True)
     if key.generated:
         print(f"rlgate: admin key (shown once; set RLGATE_ADMIN_KEY to choose it): {key.value}", flush=True)
     return direct_url(config, address) or url
+
+
+@contextmanager
+def said_while_slow(what: str, state: Callable[[], str], every_s: float = 30.0) -> Iterator[None]:
+    """Run the body; each ``every_s`` seconds it has not finished, print how long
+    it has taken and ``state()`` (a wait that never ends then shows where it stands)."""
+    done, began = threading.Event(), time.monotonic()
+
+    def watch() -> None:
+        while not done.wait(every_s):
+            try:
+                now = state()
+            except Exception as err:  # asking may be what is slow or broken: say so, and keep waiting
+                now = f"its state unknown ({err.__class__.__name__}: {err})"
+            print(f"rlgate: still {what} after {time.monotonic() - began:.0f} s: {now}", flush=True)
+
+    threading.Thread(target=watch, name="rlgate-said-while-slow", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def app_state(name: str) -> str:
+    """A Serve application's state in a line: its status, then each deployment's
+    status, replica states and message."""
+
+    def word(value) -> str:  # Serve's states are str enums
+        return str(getattr(value, "value", value))
+
+    app = serve.status().applications.get(name)
+    if app is None:
+        return "the application is not there yet"
+    parts = [word(app.status)]
+    for deployment, status in app.deployments.items():
+        replicas = ", ".join(f"{n} {word(state)}" for state, n in status.replica_states.items()) or "no replicas"
+        said = f": {status.message}" if status.message else ""
+        parts.append(f"{deployment} {word(status.status)} ({replicas}){said}")
+    return "; ".join(parts)
 
 
 def serve_gateway(config: RLGateConfig, version: int, key: AdminKey) -> tuple[str, bool]:

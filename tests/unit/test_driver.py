@@ -1,0 +1,78 @@
+"""The driver's word while a wait is slow: the gateway's deploy says where it stands."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+from ray.serve.schema import (
+    ApplicationStatus,
+    ApplicationStatusOverview,
+    DeploymentStatus,
+    DeploymentStatusOverview,
+    DeploymentStatusTrigger,
+    ReplicaState,
+    ServeStatus,
+)
+
+from rlgate.training import driver
+
+
+def asked(times: int, answer):
+    """A state function, and an event set once it has been asked ``times`` times
+    (by then every answer but the last is printed: no sleeping on the clock)."""
+    calls, enough = [], threading.Event()
+
+    def state() -> str:
+        calls.append(None)
+        if len(calls) >= times:
+            enough.set()
+        return answer(len(calls))
+
+    return state, enough
+
+
+def test_a_slow_wait_says_how_long_and_where_it_stands_and_a_quick_one_says_nothing(capsys):
+    state, enough = asked(3, lambda n: f"state {n}")
+    with driver.said_while_slow("deploying the gateway", state, every_s=0.05):
+        assert enough.wait(30)
+    lines = [re.sub(r"after \d+ s", "after N s", line) for line in capsys.readouterr().out.splitlines()]
+    assert lines[:2] == [
+        "rlgate: still deploying the gateway after N s: state 1",
+        "rlgate: still deploying the gateway after N s: state 2",
+    ]
+    with driver.said_while_slow("deploying the gateway", lambda: "never asked", every_s=60.0):
+        pass
+    assert capsys.readouterr().out == ""
+
+
+def test_a_state_that_cannot_be_read_is_said_and_the_wait_goes_on(capsys):
+    def fails(n: int) -> str:
+        raise TimeoutError("the controller did not answer")
+
+    state, enough = asked(2, fails)
+    with driver.said_while_slow("deploying the gateway", state, every_s=0.05):
+        assert enough.wait(30)
+    assert "its state unknown (TimeoutError: the controller did not answer)" in capsys.readouterr().out
+
+
+def test_an_applications_state_names_each_deployment_its_replicas_and_serves_message(monkeypatch):
+    def deployment(status, replicas, message=""):
+        trigger = DeploymentStatusTrigger.CONFIG_UPDATE_STARTED
+        return DeploymentStatusOverview(status=status, status_trigger=trigger, replica_states=replicas, message=message)
+
+    deployments = {
+        "Gateway": deployment(DeploymentStatus.HEALTHY, {ReplicaState.RUNNING: 1}),
+        "RolloutServer": deployment(
+            DeploymentStatus.UPDATING, {ReplicaState.STARTING: 1}, "Deployment 'RolloutServer' has 1 replica starting."
+        ),
+    }
+    app = ApplicationStatusOverview(
+        status=ApplicationStatus.DEPLOYING, message="", last_deployed_time_s=0.0, deployments=deployments
+    )
+    monkeypatch.setattr(driver.serve, "status", lambda: ServeStatus(applications={"rlgate": app}))
+    assert driver.app_state("rlgate") == (
+        "DEPLOYING; Gateway HEALTHY (1 RUNNING); RolloutServer UPDATING (1 STARTING): "
+        "Deployment 'RolloutServer' has 1 replica starting."
+    )
+    assert driver.app_state("other") == "the application is not there yet"
