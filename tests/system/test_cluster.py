@@ -86,9 +86,9 @@ def episode(url: str, task: str, reward: float) -> None:
             model="default", messages=[{"role": "user", "content": f"Say {task}."}], max_tokens=6
         )
     assert reply.choices[0].message.content is not None
-    session = {"Authorization": f"Bearer {key}"}
-    assert httpx.post(f"{url}/rl/set_reward", json={"reward": reward}, headers=session).status_code == 200
-    assert httpx.post(f"{url}/rl/end_session", headers=session).status_code == 200
+    session = {"Authorization": f"Bearer {key}"}  # (httpx's default 5 s ran out once while the trainer started)
+    assert httpx.post(f"{url}/rl/set_reward", json={"reward": reward}, headers=session, timeout=60).status_code == 200
+    assert httpx.post(f"{url}/rl/end_session", headers=session, timeout=60).status_code == 200
 
 
 def one_batch(url: str, step: int) -> None:
