@@ -432,11 +432,13 @@ def said_while_slow(what: str, state: Callable[[], str], every_s: float = 30.0) 
                 now = f"its state unknown ({err.__class__.__name__}: {err})"
             print(f"rlgate: still {what} after {time.monotonic() - began:.0f} s: {now}", flush=True)
 
-    threading.Thread(target=watch, name="rlgate-said-while-slow", daemon=True).start()
+    watcher = threading.Thread(target=watch, name="rlgate-said-while-slow", daemon=True)
+    watcher.start()
     try:
         yield
     finally:
         done.set()
+        watcher.join(timeout=5.0)  # a line being written lands before what follows (a state() call may hang)
 
 
 def app_state(name: str) -> str:

@@ -20,7 +20,7 @@ from rlgate.training import driver
 
 def asked(times: int, answer):
     """A state function, and an event set once it has been asked ``times`` times
-    (by then every answer but the last is printed: no sleeping on the clock)."""
+    (the block then ends; every answer asked for is printed by the time it has)."""
     calls, enough = [], threading.Event()
 
     def state() -> str:
