@@ -269,8 +269,9 @@ class CapacityActor:
             return 1 + spare
 
     async def note_accepted(self, sessions: int) -> None:
-        """Count ``sessions`` as accepted whose release may have been lost with a
-        restart (a holder that cannot tell errs towards admitting fewer)."""
+        """Count ``sessions`` as accepted: ones whose release may have been lost with a
+        restart (a holder that cannot tell errs towards admitting fewer), or a stopped
+        run's that the resumed trainer trains (it did not admit them, yet they fill its batches)."""
         async with self._changed:
             self.accepted += sessions
             self._report()

@@ -28,9 +28,20 @@ sessions' worth of whole groups.
   the run stopped), with a token newer than the version resumed at:
   the stopped run sampled it from weights the resume abandoned, whatever
   version the resumed run has reached by the time the group completes.
-* ``Counters.discardable`` counts the dropped members saved after
-  ``backlog_end``: those the run's CapacityActor admitted and counted, which
-  it is told of (its ``discard``); an earlier run's are not its to forget.
+* A resumed run's CapacityActor did not admit the stopped run's sessions,
+  yet the run trains them: each member saved before the resume counts once
+  its group leaves the filling stage (complete, or timed out),
+  ``Counters.carried``, and the trainer tells the actor to count it against
+  the current version's budget (its ``note_accepted``). Counted at the start,
+  with the backlog read before any episode starts, a synchronous run
+  (``max_staleness`` 0) admits only what the batch at the resumed version still
+  needs: more would run on past the next version and mix two versions in
+  their groups. Groups still filling are not counted until they fill: one
+  whose missing members never come would otherwise hold back the batch until
+  ``group_timeout_s``.
+* ``Counters.discardable`` counts the dropped members the run's CapacityActor
+  counted (saved after ``backlog_end``, or carried), which it is told of (its
+  ``discard``); an earlier run's others are not its to forget.
 
 Every record is handed out or dropped exactly once. :meth:`GroupBuffer.state`
 is small and restores exactly: records read but not yet in a batch are simply
@@ -100,7 +111,8 @@ class Counters:
     dropped_partial: int = 0
     dropped_stale: int = 0
     dropped_failed: int = 0  # members of groups that are nothing but failed sessions
-    discardable: int = 0  # dropped members saved after the backlog: admitted by this run's CapacityActor
+    carried: int = 0  # members saved before the (re)start whose groups filled or timed out: to be counted
+    discardable: int = 0  # dropped members this run's CapacityActor counted (admitted, or carried)
 
     @property
     def dropped(self) -> int:
@@ -143,6 +155,7 @@ class GroupBuffer:
         self.counters = Counters()
         # what was saved before this run (re)started, and the version it started at (see the module notes)
         self.backlog_end, self.resumed_version = 0, 0
+        self._carried: set[int] = set()  # the first seq of each carried member
 
     # --- input ----------------------------------------------------------------
 
@@ -169,7 +182,19 @@ class GroupBuffer:
                 group.sessions.setdefault(session_id, []).extend(fresh)
             if group.full():
                 del self.open[task]
+                self._carry(group)
                 self._complete(group)
+
+    def _carry(self, group: Group) -> None:
+        """Count the members of ``group`` saved before the run (re)started (see the module notes)."""
+        for first in self._firsts(group):
+            if first["seq"] <= self.backlog_end and first["seq"] not in self._carried:
+                self._carried.add(first["seq"])
+                self.counters.carried += 1
+
+    @staticmethod
+    def _firsts(group: Group) -> list[dict]:
+        return [records[0] for records in [*group.sessions.values(), *group.failed.values()]]
 
     def _complete(self, group: Group) -> None:
         if not group.sessions:  # nothing but failures: hand its slots back
@@ -185,6 +210,7 @@ class GroupBuffer:
         for task, group in list(self.open.items()):
             if now - group.opened_at >= self.group_timeout_s:
                 del self.open[task]
+                self._carry(group)
                 if not group.sessions:
                     self._drop(group, "dropped_failed")
                 elif self.partial_groups == "drop":
@@ -260,8 +286,8 @@ class GroupBuffer:
 
     def _drop(self, group: Group, reason: str) -> None:
         setattr(self.counters, reason, getattr(self.counters, reason) + group.members)
-        firsts = [records[0] for records in [*group.sessions.values(), *group.failed.values()]]
-        self.counters.discardable += sum(record["seq"] > self.backlog_end for record in firsts)
+        counted = (first["seq"] > self.backlog_end or first["seq"] in self._carried for first in self._firsts(group))
+        self.counters.discardable += sum(counted)
         self._done(group)
 
     def pending_sessions(self) -> int:

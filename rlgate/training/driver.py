@@ -68,7 +68,7 @@ from rlgate.sessions.trajectory_files import last_seq
 from rlgate.training.batching import GroupBuffer
 from rlgate.training.dataset_task import DatasetError, DatasetTask, dataset_task
 from rlgate.training.evaluation import EvalReport, Evaluator, evaluate, problems_for
-from rlgate.training.loop import collect, normaliser, score, surviving
+from rlgate.training.loop import collect, normaliser, read_backlog, score, surviving
 from rlgate.training.placement import cluster_nodes, plan, unplaceable, wait_for_room, worker_bundle
 from rlgate.training.runlog import RunLog
 from rlgate.training.tasks import Episodes, builtin_episodes, get_task, task_app_episodes
@@ -118,6 +118,9 @@ def main() -> int:
     trainer = start_trainer(config, gpus, run_dir, start)
     url = deploy_gateway(config, serving, start.version, key)
     admit_under_the_rule(config, start.version)  # before any episode starts
+    buffer = group_buffer(config, start.buffer, backlog_end, start.version)
+    # and the stopped run's groups this run trains: counted before an episode starts too
+    read_backlog(buffer, *(get_actor(config.gateway.run_name, role) for role in ("trajectories", "capacity")))
     stopping, stopped_by_hand = threading.Event(), False
     episodes = start_episodes(config, url, key.value, stopping, task_app, dataset, start.step)
     log = RunLog(run_dir, config.training.total_steps, start.step, tracking=tracking)
@@ -126,8 +129,7 @@ def main() -> int:
     try:
         train(
             config,
-            start.buffer,
-            backlog_end,
+            buffer,
             progress,
             trainer,
             stopping,
@@ -242,10 +244,25 @@ class Progress:
     version: int  # the policy version the engines serve
 
 
+def group_buffer(config: RLGateConfig, state: dict, backlog_end: int, version: int) -> GroupBuffer:
+    """The trainer's GroupBuffer as a checkpoint left it (``state``), for a run (re)started
+    at policy ``version``; ``backlog_end``: the last trajectory saved before it."""
+    training, algorithm = config.training, config.algorithm.resolved(config.training.max_staleness)
+    return GroupBuffer.restore(
+        state,
+        backlog_end=backlog_end,
+        resumed_version=version,
+        batch_size=training.batch_size,
+        group_size=training.group_size,
+        group_timeout_s=training.group_timeout_s,
+        partial_groups=training.partial_groups,
+        drop_equal_reward_groups=algorithm.drop_equal_reward_groups,
+    )
+
+
 def train(
     config: RLGateConfig,
-    buffer_state: dict,
-    backlog_end: int,
+    buffer: GroupBuffer,
     progress: Progress,
     trainer,
     stopping,
@@ -254,21 +271,10 @@ def train(
 ):
     """The loop: whole groups of finished episodes → advantages → an optimizer
     step → every engine serves the new version → the CapacityActor admits the
-    next sessions → a line in the log (and ``evaluate_at(step)``'s figures).
-    ``backlog_end``: the last trajectory saved before the run (re)started."""
+    next sessions → a line in the log (and ``evaluate_at(step)``'s figures)."""
     training, algorithm = config.training, config.algorithm.resolved(config.training.max_staleness)
     run = config.gateway.run_name
     trajectories, capacity, policy = (get_actor(run, role) for role in ("trajectories", "capacity", "policy"))
-    buffer = GroupBuffer.restore(
-        buffer_state,
-        backlog_end=backlog_end,
-        resumed_version=progress.version,
-        batch_size=training.batch_size,
-        group_size=training.group_size,
-        group_timeout_s=training.group_timeout_s,
-        partial_groups=training.partial_groups,
-        drop_equal_reward_groups=algorithm.drop_equal_reward_groups,
-    )
     step, version = progress.step, progress.version
     while step < training.total_steps:
         waited = time.monotonic()

@@ -9,6 +9,7 @@ The Ray Train workers that take the batches are ``rlgate.actors.trainer.TrainerW
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -53,14 +54,9 @@ def collect(
     dropped_before, warned = buffer.counters.dropped, False
     while not stop.is_set():
         records = surviving(lambda: trajectories.read.remote(buffer.last_read, 1000), "reading trajectories")
-        discardable = buffer.counters.discardable
-        buffer.add(records)
-        batch = buffer.take(version, max_staleness)
-        if buffer.counters.discardable > discardable:  # an earlier run's sessions are not this actor's count
-            try:  # not made twice: a discard counted twice would admit more than the bound
-                ray.get(capacity.discard.remote(buffer.counters.discardable - discardable))
-            except ray.exceptions.RayActorError:
-                logger.warning("the CapacityActor restarted during a discard; those sessions stay counted")
+        with counting(buffer, capacity):
+            buffer.add(records)
+            batch = buffer.take(version, max_staleness)
         if not warned and buffer.counters.dropped - dropped_before >= 10 * buffer.batch_size:
             warned = True  # e.g. dynamic sampling on a policy that answers every problem the same way
             logger.warning(
@@ -78,6 +74,37 @@ def collect(
         if len(records) < 1000:
             stop.wait(poll_s)
     return None
+
+
+@contextlib.contextmanager
+def counting(buffer: GroupBuffer, capacity):
+    """Tell the CapacityActor what the buffer's work inside the block changed: the
+    stopped run's sessions it now counts (carried) and the counted ones it dropped
+    (discarded), so new sessions start in the place of the dropped. Each told once:
+    a discard counted twice would admit more than the staleness bound."""
+    carried, discardable = buffer.counters.carried, buffer.counters.discardable
+    yield
+    for told, before, now, what in (
+        (capacity.note_accepted, carried, buffer.counters.carried, "carried"),
+        (capacity.discard, discardable, buffer.counters.discardable, "discarded"),
+    ):
+        if now > before:
+            try:
+                ray.get(told.remote(now - before))
+            except ray.exceptions.RayActorError:  # a restart loses the call: fewer admitted, or more
+                logger.warning("the CapacityActor restarted while told of %d %s sessions", now - before, what)
+
+
+def read_backlog(buffer: GroupBuffer, trajectories, capacity) -> None:
+    """Before any episode of a (re)started run: read what was saved before it
+    (up to ``buffer.backlog_end``), so the CapacityActor counts the stopped
+    run's groups this run will train before it admits new sessions."""
+    while buffer.last_read < buffer.backlog_end:
+        records = surviving(lambda: trajectories.read.remote(buffer.last_read, 1000), "reading trajectories")
+        if not records:
+            return
+        with counting(buffer, capacity):
+            buffer.add(records)
 
 
 def score(batch: Batch, estimator: str) -> tuple[list[dict], list[float]]:

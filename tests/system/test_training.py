@@ -200,6 +200,16 @@ def test_a_run_survives_a_killed_worker_and_ctrl_c_then_resumes_from_its_checkpo
             assert time.monotonic() < deadline, f"step {n} never came"
             time.sleep(0.2)
 
+    def whole_group_sampled_at(version: int) -> list[int]:
+        """The seqs of a group the run saved whole, every token sampled at ``version`` ([] if none yet)."""
+        groups: dict[str, list[int]] = {}
+        for segment in (run / "trajectories").glob("part-*.jsonl"):
+            text = segment.read_text()  # whole lines only: the store may be writing
+            for r in map(json.loads, text[: text.rfind("\n") + 1].splitlines()):
+                if {v for m, v in zip(r["loss_mask"], r["versions"]) if m} == {version}:
+                    groups.setdefault(r["task_id"], []).append(r["seq"])
+        return next((seqs for seqs in groups.values() if len(seqs) == 4), [])
+
     def workers() -> list[psutil.Process]:
         return [p for p in psutil.process_iter(["cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
 
@@ -210,6 +220,12 @@ def test_a_run_survives_a_killed_worker_and_ctrl_c_then_resumes_from_its_checkpo
         workers()[-1].send_signal(signal.SIGKILL)
         wait_for_step(2)
         assert not first & {w.pid for w in workers()}  # a new group of workers trained step 2
+        # stopped with a group sampled at version 2 saved whole: the resumed run trains it at version 2,
+        # counted against its staleness budget, so it admits only what that batch still needs
+        deadline = time.monotonic() + 300
+        while not (carried := whole_group_sampled_at(2)) and steps() < 3:
+            assert driver.poll() is None and time.monotonic() < deadline, "no group finished at version 2"
+            time.sleep(0.1)
         driver.send_signal(signal.SIGINT)
         output, _ = driver.communicate(timeout=300)
     finally:
@@ -243,11 +259,13 @@ def test_a_run_survives_a_killed_worker_and_ctrl_c_then_resumes_from_its_checkpo
     assert len(used) == len(set(used)) == 4 * 8  # no trajectory trained twice, every batch whole
     records = {r["seq"]: r for f in sorted((run / "trajectories").glob("*.jsonl")) for r in lines(f)}
     assert {r["task_id"].split(".")[0] for r in records.values()} <= {f"row-{i}" for i in range(6)}  # a group per row
+    if stopped_at == 2:  # (at 3, the stopped run trained it)
+        assert set(carried) <= set(lines(run / "batches.jsonl")[2]["seqs"])  # step 3 trained the stopped run's group
     for batch in lines(run / "batches.jsonl"):  # each step trained what the version before it sampled
         assert all(
             {v for m, v in zip(records[seq]["loss_mask"], records[seq]["versions"]) if m} == {batch["step"] - 1}
             for seq in batch["seqs"]
-        )
+        ), (batch, sampled_versions(run), metrics)
 
     # TensorBoard has every step once, across the resume, and each step's samples decoded
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

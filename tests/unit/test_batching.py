@@ -212,4 +212,32 @@ def test_a_group_begun_before_a_resume_with_the_stopped_runs_later_policy_is_nev
     buffer.add([sampled_by(5, "orphaned", 7) | {"end_reason": "restart"}, sampled_by(6, "orphaned", 7)])
     batch = buffer.take(version=7, max_staleness=2)
     assert [g.task_id for g in batch.groups] == ["kept"]
-    assert buffer.counters.dropped_stale == 4 and buffer.counters.discardable == 3  # s4, s5, s6: saved since
+    assert buffer.counters.dropped_stale == 4 and buffer.counters.discardable == 4  # s4, s5, s6: saved since,
+    assert buffer.counters.carried == 2  # and s2: the backlog's s1 and s2 were counted when their groups filled
+
+
+def test_a_resumed_runs_backlog_counts_each_member_once_its_group_leaves_filling():
+    """The stopped run's sessions (``seq <= backlog_end``) were admitted by its own
+    CapacityActor: the resumed run counts each once its group is whole or timed
+    out (``carried``), never while it fills (its missing members may never
+    come), and hands a counted member back when its group is dropped."""
+    now = [0.0]
+    state = {"watermark": 0, "done_above": []}
+    settings = {"batch_size": 8, "group_size": 2, "drop_equal_reward_groups": True, "clock": lambda: now[0]}
+    buffer = GroupBuffer.restore(state, backlog_end=6, resumed_version=2, group_timeout_s=10, **settings)
+
+    def sampled(seq, task, reward=None):
+        reward = float(seq % 2) if reward is None else reward
+        record = {"seq": seq, "task_id": task, "session_id": f"s{seq}", "reward": reward}
+        return record | {"loss_mask": [1], "versions": [2]}
+
+    buffer.add([sampled(1, "whole"), sampled(2, "whole"), sampled(3, "equal", 1.0), sampled(4, "equal", 1.0)])
+    buffer.add([sampled(5, "filling"), sampled(6, "alone")])
+    assert buffer.counters.carried == 4  # whole and equal; equal's two dropped, and handed back as counted
+    assert buffer.counters.dropped_equal_reward == 2 and buffer.counters.discardable == 2
+    buffer.add([sampled(7, "filling", 0.0), sampled(8, "fresh"), sampled(9, "fresh")])
+    assert buffer.counters.carried == 5  # s5 with its group; s7, s8 and s9 are this run's own
+    now[0] = 10.0
+    batch = buffer.flush()  # "alone" timed out: partial, and counted
+    assert buffer.counters.carried == 6 and [g.task_id for g in batch.partial] == ["alone"]
+    assert [g.task_id for g in batch.groups] == ["whole", "filling", "fresh"]

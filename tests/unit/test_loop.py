@@ -93,11 +93,13 @@ class Reads:
 
 
 class Discards:
-    """A CapacityActor's ``discard``, faked: the counts it was given."""
+    """A CapacityActor's ``discard`` and ``note_accepted``, faked: the counts each was given."""
 
     def __init__(self) -> None:
         self.given: list[int] = []
+        self.carried: list[int] = []
         self.discard = SimpleNamespace(remote=self.given.append)
+        self.note_accepted = SimpleNamespace(remote=self.carried.append)
 
 
 def saved(seq: int, task: str, session: str, reward: float, version: int = 0) -> dict:
@@ -136,8 +138,9 @@ def test_a_resumed_run_hands_back_only_the_sessions_its_capacity_actor_counted(m
     """Resumed, a run reads again what was saved after its checkpoint (up to
     ``backlog_end`` when it started) and drops what it cannot train. Those
     sessions were admitted by the stopped run's CapacityActor, not the one the
-    resumed run reports to: discarding them would let as many sessions past its
-    staleness bound. Sessions saved since the resume are handed back as before."""
+    resumed run reports to: discarding them uncounted would let as many sessions
+    past its staleness bound. A whole group of them is counted (carried) first,
+    then handed back; sessions saved since the resume are handed back as before."""
     from rlgate.training.batching import GroupBuffer
 
     monkeypatch.setattr(loop.ray, "get", lambda value: value)
@@ -151,7 +154,32 @@ def test_a_resumed_run_hands_back_only_the_sessions_its_capacity_actor_counted(m
     capacity = Discards()
     batch = loop.collect(buffer, store, capacity, threading.Event(), version=3, max_staleness=1, poll_s=0)
     assert [sorted(g.sessions) for g in batch.groups] == [["s5", "s6"]]
-    assert buffer.counters.dropped_stale == 4 and capacity.given == [2]  # the backlog's two are not its count
+    assert buffer.counters.dropped_stale == 4 and capacity.carried == [2] and capacity.given == [2, 2]
+
+
+def test_a_resumed_run_counts_the_stopped_runs_groups_it_trains_before_its_episodes_start(monkeypatch):
+    """Stopped at version 2 with a whole group saved after its last batch and one
+    member of another: the resumed run's CapacityActor did not admit them, yet
+    the batch at version 2 trains them. Counted before any episode starts (the
+    whole group), and when the other fills (its last member, open at the stop,
+    ended by the resumed run's store), a synchronous run admits no more than the
+    batch needs: the rest would run on past the next version, two versions in
+    their groups."""
+    from rlgate.training.batching import GroupBuffer
+
+    monkeypatch.setattr(loop.ray, "get", lambda value: value)
+    state = {"watermark": 0, "done_above": []}
+    buffer = GroupBuffer.restore(state, backlog_end=3, resumed_version=2, batch_size=4, group_size=2)
+    store = Reads(
+        [saved(1, "whole", "s1", 1.0, 2), saved(2, "whole", "s2", 0.0, 2), saved(3, "half", "s3", 1.0, 2)],
+        [saved(4, "half", "s4", 0.0, 2) | {"end_reason": "restart"}, saved(5, "new", "s5", 1.0, 2)],
+    )
+    capacity = Discards()
+    loop.read_backlog(buffer, store, capacity)
+    assert capacity.carried == [2] and store.asked_after == [0]  # the whole group; the half one is still filling
+    batch = loop.collect(buffer, store, capacity, threading.Event(), version=2, max_staleness=0, poll_s=0)
+    assert [g.task_id for g in batch.groups] == ["whole", "half"]
+    assert capacity.carried == [2, 1] and capacity.given == []  # s3 once its group filled; s4 was this run's own
 
 
 def test_a_steps_staleness_is_over_the_tokens_it_trained_on():
