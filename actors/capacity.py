@@ -271,7 +271,8 @@ class CapacityActor:
     async def note_accepted(self, sessions: int) -> None:
         """Count ``sessions`` as accepted: ones whose release may have been lost with a
         restart (a holder that cannot tell errs towards admitting fewer), or a stopped
-        run's that the resumed trainer trains (it did not admit them, yet they fill its batches)."""
+        run's that the resumed trainer trains (it did not admit them, yet they fill its
+        batches: those of groups that filled after it attached; see ``grant``)."""
         async with self._changed:
             self.accepted += sessions
             self._report()
@@ -324,14 +325,25 @@ class CapacityActor:
             self._report()
 
     async def grant(
-        self, batch_size: int, max_staleness: int, group_size: int = 1, group_timeout_s: float = 600.0
+        self,
+        batch_size: int,
+        max_staleness: int,
+        group_size: int = 1,
+        group_timeout_s: float = 600.0,
+        carried: int = 0,
+        discarded: int = 0,
     ) -> None:
         """A trainer attaches (or changes its settings): admit whole groups by the
         staleness rule, counting accepted sessions and versions from now.
 
         Attaching waits until no holder may still open a session without a call
         (the last leasing permit, ``PERMIT_S``, has run out): sessions opened so
-        are then all ones that began before the trainer attached."""
+        are then all ones that began before the trainer attached. ``carried``: a
+        resumed trainer's sessions that an earlier run saved and it trains,
+        counted as accepted when it attaches, of which it has dropped ``discarded``
+        (in the same call, so no session is admitted before they count)."""
+        if carried < 0 or discarded < 0:
+            raise ValueError(f"carried and discarded must be >= 0 (got {carried}, {discarded})")
         if self.rule.batch_size is None:
             self._attaching = True  # answers from now on say slots are not leased
             try:
@@ -339,7 +351,8 @@ class CapacityActor:
                     await asyncio.sleep(left)
             finally:
                 self._attaching = False
-            self.accepted_base, self.version_base, self.discarded = self.accepted, self.version, 0
+            # carried: as if admitted since it attached (a grant made again, its answer lost, counts them once)
+            self.accepted_base, self.version_base, self.discarded = self.accepted - carried, self.version, discarded
             self.reservations = GroupReservations(early=self.reservations.early)
         await self._set_rule(
             batch_size=batch_size,

@@ -41,6 +41,21 @@ ENDED_MEMORY_S = 24 * 3600.0  # ended keys kept (for 410 answers) across a resta
 OPEN_FIELDS = ("task_id", "key_hash", "created_at", "group_size", "train")  # every open line has them
 
 
+def open_session_ids(folder: str | Path) -> set[str]:
+    """The ids of the sessions still open in every journal under ``folder`` (a run's
+    ``sessions/``: the SessionStore's and each colocated replica's), read without
+    rebuilding their turns: the sessions the run's next stores take back."""
+    ids: set[str] = set()
+    for path in Path(folder).glob("**/journal.jsonl"):
+        with open(path, encoding="utf-8") as handle:
+            for _, entry in json_lines(handle, lambda line: None):  # a bad line is the replay's to report
+                if entry.get("op") == "open":
+                    ids.add(entry.get("id"))
+                elif entry.get("op") == "end":
+                    ids.discard(entry.get("id"))
+    return ids
+
+
 class JournalTooBig(Exception):
     """The journal cannot be read back in the memory there is."""
 

@@ -31,17 +31,20 @@ sessions' worth of whole groups.
 * A resumed run's CapacityActor did not admit the stopped run's sessions,
   yet the run trains them: each member saved before the resume counts once
   its group leaves the filling stage (complete, or timed out),
-  ``Counters.carried``, and the trainer tells the actor to count it against
-  the current version's budget (its ``note_accepted``). Counted at the start,
-  with the backlog read before any episode starts, a synchronous run
-  (``max_staleness`` 0) admits only what the batch at the resumed version still
-  needs: more would run on past the next version and mix two versions in
-  their groups. Groups still filling are not counted until they fill: one
-  whose missing members never come would otherwise hold back the batch until
-  ``group_timeout_s``.
+  ``Counters.carried``, against the budget of the version it is trained at.
+  The backlog is read before the trainer attaches, and the actor counts
+  those from the start (its ``grant``), later ones when told (its
+  ``note_accepted``): a synchronous run (``max_staleness`` 0) admits only
+  what the batch at the resumed version still needs; more would run on past
+  the next version and mix two versions in their groups. Groups still filling
+  are not counted until they fill: one whose missing members never come would
+  otherwise hold back the batch until ``group_timeout_s``. Sessions the run's
+  stores take back from their journals (``reopened``: open at the stop, some
+  perhaps saved as they stopped) are not carried: the actor counts them when
+  they end.
 * ``Counters.discardable`` counts the dropped members the run's CapacityActor
-  counted (saved after ``backlog_end``, or carried), which it is told of (its
-  ``discard``); an earlier run's others are not its to forget.
+  counts (saved after ``backlog_end``, carried, or reopened), which it is told
+  of (its ``discard``); an earlier run's others are not its to forget.
 
 Every record is handed out or dropped exactly once. :meth:`GroupBuffer.state`
 is small and restores exactly: records read but not yet in a batch are simply
@@ -156,6 +159,7 @@ class GroupBuffer:
         # what was saved before this run (re)started, and the version it started at (see the module notes)
         self.backlog_end, self.resumed_version = 0, 0
         self._carried: set[int] = set()  # the first seq of each carried member
+        self.reopened: frozenset[str] = frozenset()  # sessions the run's stores take back from their journals
 
     # --- input ----------------------------------------------------------------
 
@@ -188,7 +192,8 @@ class GroupBuffer:
     def _carry(self, group: Group) -> None:
         """Count the members of ``group`` saved before the run (re)started (see the module notes)."""
         for first in self._firsts(group):
-            if first["seq"] <= self.backlog_end and first["seq"] not in self._carried:
+            taken_back = first["session_id"] in self.reopened
+            if first["seq"] <= self.backlog_end and first["seq"] not in self._carried and not taken_back:
                 self._carried.add(first["seq"])
                 self.counters.carried += 1
 
@@ -286,7 +291,10 @@ class GroupBuffer:
 
     def _drop(self, group: Group, reason: str) -> None:
         setattr(self.counters, reason, getattr(self.counters, reason) + group.members)
-        counted = (first["seq"] > self.backlog_end or first["seq"] in self._carried for first in self._firsts(group))
+        counted = [
+            first["seq"] > self.backlog_end or first["seq"] in self._carried or first["session_id"] in self.reopened
+            for first in self._firsts(group)
+        ]
         self.counters.discardable += sum(counted)
         self._done(group)
 
@@ -300,12 +308,21 @@ class GroupBuffer:
         return {"watermark": self.watermark, "done_above": sorted(self.done_above)}
 
     @classmethod
-    def restore(cls, state: dict, backlog_end: int = 0, resumed_version: int = 0, **settings) -> GroupBuffer:
+    def restore(
+        cls,
+        state: dict,
+        backlog_end: int = 0,
+        resumed_version: int = 0,
+        reopened: frozenset[str] = frozenset(),
+        **settings,
+    ) -> GroupBuffer:
         """The buffer of ``state``; ``backlog_end``: the last seq saved when the run
-        (re)started, at policy version ``resumed_version`` (see the module notes)."""
+        (re)started, at policy version ``resumed_version``; ``reopened``: the sessions
+        its stores take back from their journals (see the module notes)."""
         buffer = cls(**settings)
         buffer.watermark = state["watermark"]
         buffer.done_above = set(state["done_above"])
         buffer.last_read = state["watermark"]
         buffer.backlog_end, buffer.resumed_version = backlog_end, resumed_version
+        buffer.reopened = frozenset(reopened)
         return buffer

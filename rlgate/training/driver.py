@@ -63,9 +63,10 @@ from rlgate.serving.app import (
     resolve_model,
 )
 from rlgate.serving.routing import serve_start_options
+from rlgate.sessions.journal import open_session_ids
 from rlgate.sessions.manager import hash_key, new_key
 from rlgate.sessions.trajectory_files import last_seq
-from rlgate.training.batching import GroupBuffer
+from rlgate.training.batching import Counters, GroupBuffer
 from rlgate.training.dataset_task import DatasetError, DatasetTask, dataset_task
 from rlgate.training.evaluation import EvalReport, Evaluator, evaluate, problems_for
 from rlgate.training.loop import collect, normaliser, read_backlog, score, surviving
@@ -111,16 +112,16 @@ def main() -> int:
         forget_stopped_run(config.gateway.run_name)
     # what was saved before this (re)start, the earlier run's stores gone (they saved until they went)
     backlog_end = last_seq(run_dir / "trajectories")
+    reopened = open_session_ids(run_dir / "sessions")  # what this run's stores take back (and count when it ends)
     if start.buffer is None:  # a fresh run trains on episodes that finish from now on, the first included
         start.buffer = {"watermark": backlog_end, "done_above": []}
     serving = start_serve(config, start.version)
     # Ray Train's workers start while the engines do: nothing joins them before the first step
     trainer = start_trainer(config, gpus, run_dir, start)
     url = deploy_gateway(config, serving, start.version, key)
-    admit_under_the_rule(config, start.version)  # before any episode starts
-    buffer = group_buffer(config, start.buffer, backlog_end, start.version)
-    # and the stopped run's groups this run trains: counted before an episode starts too
-    read_backlog(buffer, *(get_actor(config.gateway.run_name, role) for role in ("trajectories", "capacity")))
+    buffer = group_buffer(config, start.buffer, backlog_end, start.version, reopened)
+    read_backlog(buffer, get_actor(config.gateway.run_name, "trajectories"))  # the stopped run's groups it trains
+    admit_under_the_rule(config, start.version, buffer.counters)  # before any episode starts
     stopping, stopped_by_hand = threading.Event(), False
     episodes = start_episodes(config, url, key.value, stopping, task_app, dataset, start.step)
     log = RunLog(run_dir, config.training.total_steps, start.step, tracking=tracking)
@@ -244,14 +245,16 @@ class Progress:
     version: int  # the policy version the engines serve
 
 
-def group_buffer(config: RLGateConfig, state: dict, backlog_end: int, version: int) -> GroupBuffer:
+def group_buffer(config: RLGateConfig, state: dict, backlog_end: int, version: int, reopened: set[str]) -> GroupBuffer:
     """The trainer's GroupBuffer as a checkpoint left it (``state``), for a run (re)started
-    at policy ``version``; ``backlog_end``: the last trajectory saved before it."""
+    at policy ``version``; ``backlog_end``: the last trajectory saved before it;
+    ``reopened``: the sessions its stores take back from their journals."""
     training, algorithm = config.training, config.algorithm.resolved(config.training.max_staleness)
     return GroupBuffer.restore(
         state,
         backlog_end=backlog_end,
         resumed_version=version,
+        reopened=frozenset(reopened),
         batch_size=training.batch_size,
         group_size=training.group_size,
         group_timeout_s=training.group_timeout_s,
@@ -322,15 +325,17 @@ def start_tracking(config: RLGateConfig, run_dir: Path, first_step: int, resumed
         raise SystemExit(f"rlgate: [logging] a tracker could not start: {err.__class__.__name__}: {err}") from None
 
 
-def admit_under_the_rule(config: RLGateConfig, version: int) -> None:
+def admit_under_the_rule(config: RLGateConfig, version: int, backlog: Counters | None = None) -> None:
     """Tell the CapacityActor the policy version (a resumed run's own) and the
-    trainer's rule (batch, staleness, groups), before any episode starts: a
-    session admitted before would escape the staleness budget."""
+    trainer's rule (batch, staleness, groups), with the stopped run's sessions
+    it trains (``backlog``: the GroupBuffer's counts once it read them), before
+    any episode starts: a session admitted before would escape the staleness budget."""
     training = config.training
     capacity = get_actor(config.gateway.run_name, "capacity")
     surviving(lambda: capacity.on_new_version.remote(version), "the policy version")
     rule = (training.batch_size, training.max_staleness, training.group_size, training.group_timeout_s)
-    surviving(lambda: capacity.grant.remote(*rule), "the staleness rule")
+    counted = (backlog.carried, backlog.discardable) if backlog is not None else (0, 0)
+    surviving(lambda: capacity.grant.remote(*rule, *counted), "the staleness rule")
 
 
 def finish(config: RLGateConfig, log: RunLog, progress: Progress, started_serve: bool) -> None:

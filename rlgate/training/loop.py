@@ -95,16 +95,16 @@ def counting(buffer: GroupBuffer, capacity):
                 logger.warning("the CapacityActor restarted while told of %d %s sessions", now - before, what)
 
 
-def read_backlog(buffer: GroupBuffer, trajectories, capacity) -> None:
-    """Before any episode of a (re)started run: read what was saved before it
-    (up to ``buffer.backlog_end``), so the CapacityActor counts the stopped
-    run's groups this run will train before it admits new sessions."""
+def read_backlog(buffer: GroupBuffer, trajectories) -> None:
+    """Before the trainer attaches: read what was saved before the run (re)started
+    (up to ``buffer.backlog_end``), so the CapacityActor counts the stopped run's
+    groups this run will train from the start (``grant``'s ``carried``)."""
     while buffer.last_read < buffer.backlog_end:
         records = surviving(lambda: trajectories.read.remote(buffer.last_read, 1000), "reading trajectories")
-        if not records:
+        backlog = [record for record in records if record["seq"] <= buffer.backlog_end]
+        if not backlog:
             return
-        with counting(buffer, capacity):
-            buffer.add(records)
+        buffer.add(backlog)
 
 
 def score(batch: Batch, estimator: str) -> tuple[list[dict], list[float]]:

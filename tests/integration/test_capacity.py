@@ -327,6 +327,24 @@ async def test_a_trainer_counts_sessions_and_versions_from_when_it_attaches(make
     assert await capacity.acquire.remote() is True
 
 
+async def test_a_resumed_trainer_attaches_with_the_stopped_runs_sessions_it_trains_already_counted(make_capacity):
+    """Resumed at version 3 with a whole group of 4 saved by the stopped run (of
+    which it dropped none), batch 8: one new group may start at version 3, not two
+    (the second would run on past version 4). A grant made again (its answer lost
+    to a restart) counts them once; a later one dropped is handed back as usual."""
+    capacity = make_capacity(64)
+    await capacity.on_new_version.remote(3)
+    await capacity.grant.remote(8, 0, 4, 600.0, 6, 2)  # carried 6, 2 of them dropped: 4 count
+    await capacity.grant.remote(8, 0, 4, 600.0, 6, 2)
+    assert (await capacity.stats.remote())["free"] == 4
+    assert [await capacity.acquire.remote(0.0, "new") for _ in range(4)] == [True] * 4
+    assert await capacity.acquire.remote(0.0, "other") is False  # a second group would need 4 more
+    await capacity.discard.remote(4)
+    assert await capacity.acquire.remote(0.0, "other") is True
+    with pytest.raises(ValueError, match="carried and discarded"):
+        await capacity.grant.remote(8, 0, 4, 600.0, -1)
+
+
 async def test_a_group_begun_before_the_trainer_attached_reserves_only_its_other_members(make_capacity):
     # The two-node cluster run's race: the trainer attached while a group's first session was open.
     capacity = make_capacity(10)

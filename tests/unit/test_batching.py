@@ -241,3 +241,21 @@ def test_a_resumed_runs_backlog_counts_each_member_once_its_group_leaves_filling
     batch = buffer.flush()  # "alone" timed out: partial, and counted
     assert buffer.counters.carried == 6 and [g.task_id for g in batch.partial] == ["alone"]
     assert [g.task_id for g in batch.groups] == ["whole", "filling", "fresh"]
+
+
+def test_a_session_the_resumed_runs_stores_take_back_is_never_carried_but_handed_back_when_dropped():
+    """Open when the run stopped, its save perhaps on the disk already: the resumed
+    run's store takes it back from the journal and the CapacityActor counts it when
+    it ends. Carried as well, it would count twice (a synchronous run short of a
+    group for good); dropped, it is handed back all the same."""
+    state = {"watermark": 0, "done_above": []}
+    settings = {"batch_size": 4, "group_size": 2, "drop_equal_reward_groups": True}
+    buffer = GroupBuffer.restore(state, backlog_end=4, resumed_version=2, reopened=frozenset({"s2", "s4"}), **settings)
+
+    def sampled(seq, task, reward):
+        record = {"seq": seq, "task_id": task, "session_id": f"s{seq}", "reward": reward}
+        return record | {"loss_mask": [1], "versions": [2]}
+
+    buffer.add([sampled(1, "kept", 1.0), sampled(2, "kept", 0.0), sampled(3, "equal", 1.0), sampled(4, "equal", 1.0)])
+    assert buffer.counters.carried == 2  # s1 and s3; s2 and s4 are counted by the actor when they end
+    assert buffer.counters.dropped_equal_reward == 2 and buffer.counters.discardable == 2  # s3 and s4

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from rlgate.sessions.journal import SessionJournal
+from rlgate.sessions.journal import SessionJournal, open_session_ids
 from rlgate.sessions.manager import SessionError, SessionManager
 from rlgate.sessions.trajectory import Interaction
 from tests.support import Disk
@@ -109,6 +109,30 @@ def test_the_journal_compacts_itself_to_what_is_open(tmp_path):
     assert path.stat().st_size < 20_000  # about ten open sessions' worth, not a hundred
     restored = manager(SessionJournal(path), [])
     assert restored.restore() == 10 and set(restored.sessions) == set(store.sessions)
+    # what a resumed run's stores will take back, read without replaying the turns (compacted or not)
+    assert open_session_ids(tmp_path) == set(store.sessions)
+
+
+def test_the_sessions_open_in_every_journal_of_a_run_are_found_without_replaying_them(tmp_path):
+    """The SessionStore's journal and each colocated replica's (``replica-<n>/``):
+    a session ended since it opened is not open; a set-aside journal is not read."""
+    store, replica = manager(SessionJournal(tmp_path / "journal.jsonl"), []), None
+
+    async def sessions():
+        nonlocal replica
+        await store.start("t", "h1")
+        await store.start("t", "h2")
+        store.begin("h2", [])
+        store.record(store._by_key["h2"], [turn(0)])
+        await store.end("h2")
+        replica = manager(SessionJournal(tmp_path / "replica-1" / "journal.jsonl"), [])
+        await replica.start("t", "h3")
+
+    asyncio.run(sessions())
+    aside = tmp_path / "journal-20260101-000000.set-aside.jsonl"
+    aside.write_text(json.dumps({"op": "open", "id": "old"}) + "\n")
+    assert open_session_ids(tmp_path) == set(store.sessions) | set(replica.sessions)
+    assert len(open_session_ids(tmp_path)) == 2 and open_session_ids(tmp_path / "missing") == set()
 
 
 def asdict_of(interaction: Interaction) -> dict:

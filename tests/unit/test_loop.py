@@ -160,26 +160,26 @@ def test_a_resumed_run_hands_back_only_the_sessions_its_capacity_actor_counted(m
 def test_a_resumed_run_counts_the_stopped_runs_groups_it_trains_before_its_episodes_start(monkeypatch):
     """Stopped at version 2 with a whole group saved after its last batch and one
     member of another: the resumed run's CapacityActor did not admit them, yet
-    the batch at version 2 trains them. Counted before any episode starts (the
-    whole group), and when the other fills (its last member, open at the stop,
-    ended by the resumed run's store), a synchronous run admits no more than the
-    batch needs: the rest would run on past the next version, two versions in
-    their groups."""
+    the batch at version 2 trains them. The backlog is read before the trainer
+    attaches (the whole group counted then, through ``grant``), nothing past it;
+    when the other group fills (its last member, open at the stop, ended by the
+    resumed run's store), its backlog member is counted too."""
     from rlgate.training.batching import GroupBuffer
 
     monkeypatch.setattr(loop.ray, "get", lambda value: value)
     state = {"watermark": 0, "done_above": []}
     buffer = GroupBuffer.restore(state, backlog_end=3, resumed_version=2, batch_size=4, group_size=2)
+    since = saved(4, "half", "s4", 0.0, 2) | {"end_reason": "restart"}
     store = Reads(
-        [saved(1, "whole", "s1", 1.0, 2), saved(2, "whole", "s2", 0.0, 2), saved(3, "half", "s3", 1.0, 2)],
-        [saved(4, "half", "s4", 0.0, 2) | {"end_reason": "restart"}, saved(5, "new", "s5", 1.0, 2)],
+        [saved(1, "whole", "s1", 1.0, 2), saved(2, "whole", "s2", 0.0, 2), saved(3, "half", "s3", 1.0, 2), since],
+        [since, saved(5, "new", "s5", 1.0, 2)],
     )
+    loop.read_backlog(buffer, store)
+    assert buffer.counters.carried == 2 and buffer.last_read == 3  # the whole group; s4 is left to the loop
     capacity = Discards()
-    loop.read_backlog(buffer, store, capacity)
-    assert capacity.carried == [2] and store.asked_after == [0]  # the whole group; the half one is still filling
     batch = loop.collect(buffer, store, capacity, threading.Event(), version=2, max_staleness=0, poll_s=0)
-    assert [g.task_id for g in batch.groups] == ["whole", "half"]
-    assert capacity.carried == [2, 1] and capacity.given == []  # s3 once its group filled; s4 was this run's own
+    assert [g.task_id for g in batch.groups] == ["whole", "half"] and store.asked_after == [0, 3]
+    assert capacity.carried == [1] and capacity.given == []  # s3 once its group filled; s4 was this run's own
 
 
 def test_a_steps_staleness_is_over_the_tokens_it_trained_on():
