@@ -54,7 +54,7 @@ read again after a restart, and records already consumed are skipped.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -115,7 +115,7 @@ class Counters:
     dropped_stale: int = 0
     dropped_failed: int = 0  # members of groups that are nothing but failed sessions
     carried: int = 0  # members saved before the (re)start whose groups filled or timed out: to be counted
-    discardable: int = 0  # dropped members this run's CapacityActor counted (admitted, or carried)
+    discardable: int = 0  # dropped members this run's CapacityActor counts (admitted, carried or reopened)
 
     @property
     def dropped(self) -> int:
@@ -313,7 +313,7 @@ class GroupBuffer:
         state: dict,
         backlog_end: int = 0,
         resumed_version: int = 0,
-        reopened: frozenset[str] = frozenset(),
+        reopened: Iterable[str] = (),
         **settings,
     ) -> GroupBuffer:
         """The buffer of ``state``; ``backlog_end``: the last seq saved when the run

@@ -112,7 +112,8 @@ def main() -> int:
         forget_stopped_run(config.gateway.run_name)
     # what was saved before this (re)start, the earlier run's stores gone (they saved until they went)
     backlog_end = last_seq(run_dir / "trajectories")
-    reopened = open_session_ids(run_dir / "sessions")  # what this run's stores take back (and count when it ends)
+    # the sessions this run's stores take back (counted when they end); a fresh run reads nothing saved before it
+    reopened = open_session_ids(run_dir / "sessions") if args.resume else set()
     if start.buffer is None:  # a fresh run trains on episodes that finish from now on, the first included
         start.buffer = {"watermark": backlog_end, "done_above": []}
     serving = start_serve(config, start.version)
@@ -254,7 +255,7 @@ def group_buffer(config: RLGateConfig, state: dict, backlog_end: int, version: i
         state,
         backlog_end=backlog_end,
         resumed_version=version,
-        reopened=frozenset(reopened),
+        reopened=reopened,
         batch_size=training.batch_size,
         group_size=training.group_size,
         group_timeout_s=training.group_timeout_s,
