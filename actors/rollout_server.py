@@ -18,6 +18,9 @@ follows each run's PolicyStore for that run's adapter.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -29,6 +32,8 @@ from rlgate.actors.policy_store import PolicyFollower, get_or_create_policy_stor
 from rlgate.config import RLGateConfig
 from rlgate.rollout.engines import Completion, Engine, RequestLog, SamplingParams, TokenChunk, collect, run_engine
 from rlgate.run import NAMESPACE, actor_name
+
+logger = logging.getLogger(__name__)
 
 
 @serve.deployment(
@@ -117,8 +122,18 @@ class RolloutServer:
         return health
 
     async def check_health(self) -> None:
-        """Serve's liveness probe: a dead engine marks the replica unhealthy."""
-        await self.engine.check_alive()
+        """Serve's liveness probe. An engine that failed it is dead for good (vLLM's
+        engine core gone, the HF engine's loop ended), so the replica ends its own
+        process: Serve replaces a replica that died at once, where one failing its
+        probe is replaced only after three probes in a row (30 s more of 503s)."""
+        try:
+            await self.engine.check_alive()
+        except Exception:
+            logger.exception("rollout engine is dead; ending this replica so Serve replaces it now")
+            try:
+                await asyncio.wait_for(self.engine.shutdown(), timeout=10)  # its files in /dev/shm go with it
+            finally:
+                os._exit(1)
 
     async def __del__(self) -> None:
         await (self.follower or self.tenants).stop()

@@ -93,8 +93,12 @@ def test_wandb_offline_runs_go_on_as_one_run_with_a_samples_table_per_step(tmp_p
     assert [len(t) for t in tables] == [3, 1]  # a table per step
     last = json.loads(tables[1][0].read_text())
     assert last["columns"] == SAMPLE_COLUMNS and last["data"][1] == [4, "row-2.1", 0.5, "t1", "t5 t6"]
-    log = (runs[1] / f"run-{run_id}.wandb").read_bytes()  # W&B's own record of the run, to sync
-    assert b"reward_mean" in log and b"rlgate-tests" in log and b"samples_per_step" in log
+    # W&B's own record of the run, to sync: its service process writes it on its own time, after finish() returns
+    # (under load it held only the file's header when read at once)
+    record, deadline = runs[1] / f"run-{run_id}.wandb", time.monotonic() + 60
+    while not all(word in record.read_bytes() for word in (b"reward_mean", b"rlgate-tests", b"samples_per_step")):
+        assert time.monotonic() < deadline, record.read_bytes()[-2000:]
+        time.sleep(0.2)
     steps(tmp_path, {"wandb": True, "wandb_project": "rlgate-tests"}, tiny_path)  # a fresh run of the same name
     assert (tmp_path / "wandb" / "run_id").read_text() != run_id  # is a W&B run of its own
 
