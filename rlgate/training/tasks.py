@@ -18,6 +18,7 @@ import re
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -174,6 +175,7 @@ def builtin_episodes(
     OpenAI-SDK agent with its session key. ``env_delay_s`` > 0 makes the
     environment slow: each turn then takes a uniformly random 0 to 2 ×
     ``env_delay_s`` seconds before it is scored."""
+    import httpx
     import openai
 
     rng = random.Random(seed)
@@ -186,11 +188,18 @@ def builtin_episodes(
             # each group its own task id: two groups of one problem in flight at once never mix
             yield f"{problem.id}.{player}-{number}", problem
 
+    # One connection pool for every episode's agent, per event loop that plays them: a client of its own per
+    # episode costs ~18 ms of CPU to make (its SSL context) and a new connection to the gateway each time
+    pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = weakref.WeakKeyDictionary()
+
     async def run(session: dict, problem: Problem) -> float:
-        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=session["api_key"], max_retries=2) as client:
-            reply = await client.chat.completions.create(
-                model="default", messages=problem.messages, max_tokens=max_tokens, temperature=temperature
-            )
+        loop = asyncio.get_running_loop()
+        if (pool := pools.get(loop)) is None:
+            pool = pools[loop] = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None))
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=session["api_key"], max_retries=2, http_client=pool)
+        reply = await client.chat.completions.create(
+            model="default", messages=problem.messages, max_tokens=max_tokens, temperature=temperature
+        )
         if env_delay_s > 0:  # the environment's own time (tools, a simulator, a judge)
             await asyncio.sleep(rng.uniform(0, 2 * env_delay_s))
         # in a thread: a slow scorer (a judge, a verifier) holds up no other episode

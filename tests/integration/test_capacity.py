@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from rlgate.sessions.capacity import CapacityRule, GroupReservations, free_slots
 
+pytestmark = pytest.mark.long  # one to two minutes: `make test` hands this module out early, not last
+
 NAMESPACE = "rlgate-test-capacity"
 
 

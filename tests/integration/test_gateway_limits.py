@@ -13,6 +13,8 @@ import pytest
 
 from tests.support import gateway_fixture, replica_process
 
+pytestmark = pytest.mark.long  # one to two minutes: `make test` hands this module out early, not last
+
 SETTINGS = {
     "model": {"name": "tiny-random"},
     "rollout": {"max_model_len": 512, "kv_cache_gib": 0.25},

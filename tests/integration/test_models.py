@@ -153,6 +153,7 @@ print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "thread
 """
 
 
+@pytest.mark.long  # about a minute: `make test` hands this module out early, not last
 @needs_vllm
 async def test_tiny_tools_builds_under_every_kernel_set_and_plays_greedily_in_vllm(tmp_path, vllm_engine, tiny_path):
     """tiny-tools trains to a margin, so whichever kernels build it (ATen's

@@ -555,7 +555,7 @@ def test_two_runs_share_one_engine_each_training_and_served_by_its_own_adapter(t
         text = text.replace(f'run_dir = "{folder / "runs"}"', f'run_dir = "{tmp_path / "runs"}"')
         text = text.replace("[rollout]\n", '[rollout]\npool = "shared"\n').replace("3e-3", "5e-2")
         text = text.replace("batch_size = 8\ngroup_size = 4", "batch_size = 32\ngroup_size = 8")
-        text = text.replace("max_tokens = 12", "max_tokens = 4")
+        text = text.replace("max_tokens = 12", "max_tokens = 4").replace("max_concurrent = 8", "max_concurrent = 32")
         # four groups of 8 a step: with two (16 samples) a step's mean reward is noisy enough (sd ~0.07) that a
         # slow climb read against step 1 fell short in CI; with 32 each run's last half beat step 1 by 0.3
         # Dr. GRPO (advantages not divided by the group's spread): once a group's rewards nearly agree its
