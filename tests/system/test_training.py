@@ -211,7 +211,16 @@ def test_a_run_survives_a_killed_worker_and_ctrl_c_then_resumes_from_its_checkpo
         return next((seqs for seqs in groups.values() if len(seqs) == 4), [])
 
     def workers() -> list[psutil.Process]:
-        return [p for p in psutil.process_iter(["cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
+        """This run's Ray Train workers: below its driver, which started the local Ray they run in (the other
+        `make test` worker's runs have trainer workers of their own on this machine)."""
+        found = []
+        for process in psutil.Process(driver.pid).children(recursive=True):
+            try:
+                if "RayTrainWorker" in " ".join(process.cmdline()):
+                    found.append(process)
+            except psutil.Error:  # ended meanwhile
+                pass
+        return found
 
     try:
         wait_for_step(1)
