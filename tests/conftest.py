@@ -11,6 +11,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+# Ray Train's node-preemption watcher is an actor (a process) per run, for clusters whose nodes are drained
+# before they go: no test drains a node, and the suite starts a dozen runs on two cores
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # OpenMP threads (torch in trainers and drivers) spin 10,000 rounds before sleeping, as the CPU
 # engines do, not libgomp's 300,000: `make test` runs two workers on two cores, and a thread
 # spinning between parallel sections takes the core the other worker's processes wait for
