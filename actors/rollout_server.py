@@ -54,6 +54,7 @@ class RolloutServer:
         await self.engine.ready()
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.follower, self.tenants = None, None
+        self.stopping = False  # Serve is ending this replica: its engine goes on purpose
         if pool is not None:
             self.tenants = PoolTenants(self.engine, pool, self.replica)
             await self.tenants.start()  # serve each run's current adapter before taking traffic
@@ -129,6 +130,8 @@ class RolloutServer:
         try:
             await self.engine.check_alive()
         except Exception:
+            if self.stopping:
+                raise
             logger.exception("rollout engine is dead; ending this replica so Serve replaces it now")
             try:
                 await asyncio.wait_for(self.engine.shutdown(), timeout=10)  # its files in /dev/shm go with it
@@ -136,5 +139,6 @@ class RolloutServer:
                 os._exit(1)
 
     async def __del__(self) -> None:
+        self.stopping = True
         await (self.follower or self.tenants).stop()
         await self.engine.shutdown()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -160,7 +161,7 @@ def test_idle_sessions_are_ended_and_exported(clean):
     assert gone.value.status_code == 410
 
 
-def test_a_crashed_engine_gives_503_then_serve_replaces_it(clean):
+def test_a_crashed_engine_gives_503_then_serve_replaces_it(clean, ray_session):
     session = clean.start_session("crash")
     children = replica_process("gw-small", "RolloutServer").children(recursive=True)
     assert children, "expected vLLM's engine processes under the replica"
@@ -183,6 +184,10 @@ def test_a_crashed_engine_gives_503_then_serve_replaces_it(clean):
         pytest.fail("the engine did not come back within 300 s")
     assert httpx.get(f"{clean.url}/health").json()["status"] == "ok"
     assert end(clean, session["api_key"]) == 200
+    # the replica ended itself at its first failed probe (Serve replaces a replica that died at once, one that
+    # only fails its probes after three of them): its stderr, in Ray's log folder, says so
+    logs = Path(ray_session._private.worker._global_node.get_logs_dir_path())
+    assert any(b"rollout engine is dead; ending this replica" in p.read_bytes() for p in logs.glob("worker-*.err"))
 
 
 # One engine taking 1 request at a time and 1 more waiting.
