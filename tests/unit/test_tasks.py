@@ -113,3 +113,36 @@ def test_task_app_groups_skip_held_out_seeds_and_never_share_a_task_id():
 
     with pytest.raises(ConfigError, match="every \\[task\\] seed is one of the \\[evaluation\\] seeds"):
         parse_config({"task": {"seeds": [0, 1]}, "evaluation": {"every_n_iters": 1, "seeds": [0, 1, 2]}})
+
+
+def test_the_builtin_agent_asks_with_each_sessions_key_over_one_connection_per_event_loop():
+    """Each episode's chat turn carries its own session key; the episodes of one
+    event loop share a connection (a client of their own would each make one), and
+    an episode played in another loop (an evaluation's) makes its own."""
+    import asyncio
+
+    from rlgate.training.tasks import builtin_episodes
+
+    app, seen = FastAPI(), []
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        seen.append((request.headers["authorization"], request.client.port, (await request.json())["max_tokens"]))
+        message = {"role": "assistant", "content": "aeiou"}
+        choice = {"index": 0, "message": message, "finish_reason": "stop"}
+        return {"id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": [choice]}
+
+    with serve_asgi(app) as url:
+        groups, run = builtin_episodes(get_task("vowels"), url, max_tokens=5)
+        _, problem = next(groups)
+
+        async def episodes(keys: list[str]) -> list[float]:
+            return [await run({"api_key": key}, problem) for key in keys]
+
+        played = asyncio.run(episodes(["key-1", "key-2", "key-3"]))
+        elsewhere = asyncio.run(episodes(["key-4"]))
+    assert played == [1.0, 1.0, 1.0] and elsewhere == [1.0]  # all vowels
+    assert [who for who, _, _ in seen] == [f"Bearer key-{n}" for n in (1, 2, 3, 4)]
+    assert {tokens for _, _, tokens in seen} == {5}
+    assert len({port for _, port, _ in seen[:3]}) == 1  # one connection for the loop's episodes
+    assert seen[3][1] != seen[0][1]  # the other loop's own
