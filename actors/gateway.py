@@ -44,7 +44,7 @@ from rlgate.actors.policy_store import PolicyFollower, get_or_create_policy_stor
 from rlgate.actors.session_store import SessionStore, owned_sessions
 from rlgate.actors.trajectory_store import TrajectoryStore
 from rlgate.config import RLGateConfig
-from rlgate.rollout.engines import RequestLog, run_engine
+from rlgate.rollout.engines import RequestLog, liveness_probe, run_engine
 from rlgate.rollout.pool import pool_name
 from rlgate.run import NAMESPACE, actor_name
 from rlgate.serving import api
@@ -136,6 +136,7 @@ class Gateway:
             refuse_public_bind(gateway.host, key_fit_for_public)
         capacity, trajectories = run_stores(gateway)
         self.engine, self.follower, self.request_log, self.slot, peers = None, None, RequestLog(0), None, None
+        self.stopping = False  # Serve is ending this replica: its engine (colocated) goes on purpose
         if gateway.colocate:
             engine, sessions, peers = await self._colocate(
                 settings, model_path, initial_version, deployment, capacity, trajectories
@@ -226,10 +227,13 @@ class Gateway:
         return {"slot": self.slot and self.slot.index, "pid": os.getpid(), "open_sessions": owned}
 
     async def check_health(self) -> None:
+        """Serve's liveness probe: a dead engine (colocated) ends the replica, so Serve
+        starts its successor, which takes its sessions back from the journal, now."""
         if self.engine is not None:
-            await self.engine.check_alive()
+            await liveness_probe(self.engine, self.stopping)
 
     async def __del__(self) -> None:
+        self.stopping = True
         if self.listener is not None:
             await self.listener.close()
         if self.engine is not None:

@@ -18,9 +18,6 @@ follows each run's PolicyStore for that run's adapter.
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import os
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -30,10 +27,17 @@ from ray import serve
 from rlgate.actors.engine_pool import PoolTenants
 from rlgate.actors.policy_store import PolicyFollower, get_or_create_policy_store
 from rlgate.config import RLGateConfig
-from rlgate.rollout.engines import Completion, Engine, RequestLog, SamplingParams, TokenChunk, collect, run_engine
+from rlgate.rollout.engines import (
+    Completion,
+    Engine,
+    RequestLog,
+    SamplingParams,
+    TokenChunk,
+    collect,
+    liveness_probe,
+    run_engine,
+)
 from rlgate.run import NAMESPACE, actor_name
-
-logger = logging.getLogger(__name__)
 
 
 @serve.deployment(
@@ -123,20 +127,8 @@ class RolloutServer:
         return health
 
     async def check_health(self) -> None:
-        """Serve's liveness probe. An engine that failed it is dead for good (vLLM's
-        engine core gone, the HF engine's loop ended), so the replica ends its own
-        process: Serve replaces a replica that died at once, where one failing its
-        probe is replaced only after three probes in a row (30 s more of 503s)."""
-        try:
-            await self.engine.check_alive()
-        except Exception:
-            if self.stopping:
-                raise
-            logger.exception("rollout engine is dead; ending this replica so Serve replaces it now")
-            try:
-                await asyncio.wait_for(self.engine.shutdown(), timeout=10)  # its files in /dev/shm go with it
-            finally:
-                os._exit(1)
+        """Serve's liveness probe: a dead engine ends the replica, so Serve replaces it now."""
+        await liveness_probe(self.engine, self.stopping)
 
     async def __del__(self) -> None:
         self.stopping = True

@@ -223,3 +223,33 @@ async def test_a_weight_update_whose_caller_is_cancelled_still_finishes_with_its
     await _cancelled_mid_change(engine, engine.update_weights({"w": 1}, 1))
     await _until(lambda: engine.version == 1 and not engine._stopped)
     assert engine.version == 1 and engine._pause_depth == 0 and engine.changes[-1] == ("done", False)
+
+
+async def test_a_replica_whose_engine_died_ends_its_process_unless_serve_is_stopping_it(monkeypatch):
+    """The liveness probe: a live engine passes; a dead one, while Serve stops the
+    replica, fails the probe as it is; otherwise the engine is shut down (its files
+    go) and the process ends, so Serve replaces the replica at once."""
+    from rlgate.rollout.engines import base
+
+    class Probed:
+        def __init__(self) -> None:
+            self.dead, self.shut = False, False
+
+        async def check_alive(self) -> None:
+            if self.dead:
+                raise RuntimeError("the engine core died")
+
+        async def shutdown(self) -> None:
+            self.shut = True
+
+    ended = []
+    monkeypatch.setattr(base.os, "_exit", ended.append)
+    engine = Probed()
+    await base.liveness_probe(engine)
+    assert ended == [] and not engine.shut
+    engine.dead = True
+    with pytest.raises(RuntimeError, match="the engine core died"):
+        await base.liveness_probe(engine, stopping=True)
+    assert ended == [] and not engine.shut
+    await base.liveness_probe(engine)
+    assert ended == [1] and engine.shut

@@ -21,6 +21,7 @@ from rlgate.rollout.engines.base import (
     WeightsMismatchError,
     WeightUpdateReport,
     collect,
+    liveness_probe,
 )
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ __all__ = [
     "WeightUpdateReport",
     "WeightsMismatchError",
     "collect",
+    "liveness_probe",
     "make_engine",
     "resolve_engine_kind",
 ]

@@ -15,6 +15,8 @@ from __future__ import annotations
 import abc
 import asyncio
 import json
+import logging
+import os
 import struct
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
@@ -26,6 +28,8 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlgate.background import keep, to_its_end
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -375,3 +379,24 @@ class Engine(abc.ABC):
             paused=self._pause_depth > 0,
             running_requests=self.running_requests(),
         )
+
+
+async def liveness_probe(engine: Engine, stopping: bool = False) -> None:
+    """A Serve replica's liveness probe (its ``check_health``) of the engine it holds.
+
+    An engine that fails it is dead for good (vLLM's engine core gone, the HF
+    engine's loop ended), so the replica's process ends itself, unless Serve is
+    stopping the replica (``stopping``: its engine goes on purpose). Serve replaces
+    a replica that died at once, where one that only fails its probe is replaced
+    after three in a row (30 s more of 503s). An end like a SIGKILL's, which the
+    session journals and the engine reaper already make safe."""
+    try:
+        await engine.check_alive()
+    except Exception:
+        if stopping:
+            raise
+        logger.exception("rollout engine is dead; ending this replica so Serve replaces it now")
+        try:
+            await asyncio.wait_for(engine.shutdown(), timeout=10)  # its files in /dev/shm go with it
+        finally:
+            os._exit(1)
