@@ -175,7 +175,6 @@ def builtin_episodes(
     OpenAI-SDK agent with its session key. ``env_delay_s`` > 0 makes the
     environment slow: each turn then takes a uniformly random 0 to 2 ×
     ``env_delay_s`` seconds before it is scored."""
-    import httpx
     import openai
 
     rng = random.Random(seed)
@@ -190,12 +189,13 @@ def builtin_episodes(
 
     # One connection pool for every episode's agent, per event loop that plays them: a client of its own per
     # episode costs ~18 ms of CPU to make (its SSL context) and a new connection to the gateway each time
-    pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = weakref.WeakKeyDictionary()
+    # (the SDK's own client class, with the SDK's defaults: timeout, connection limits, redirects)
+    pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     async def run(session: dict, problem: Problem) -> float:
         loop = asyncio.get_running_loop()
         if (pool := pools.get(loop)) is None:
-            pool = pools[loop] = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None))
+            pool = pools[loop] = openai.DefaultAsyncHttpxClient()
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=session["api_key"], max_retries=2, http_client=pool)
         reply = await client.chat.completions.create(
             model="default", messages=problem.messages, max_tokens=max_tokens, temperature=temperature
