@@ -44,6 +44,7 @@ from rlgate.actors.policy_store import PolicyFollower, get_or_create_policy_stor
 from rlgate.actors.session_store import SessionStore, owned_sessions
 from rlgate.actors.trajectory_store import TrajectoryStore
 from rlgate.config import RLGateConfig
+from rlgate.models import load_tokenizer
 from rlgate.rollout.engines import RequestLog, liveness_probe, run_engine
 from rlgate.rollout.pool import pool_name
 from rlgate.run import NAMESPACE, actor_name
@@ -118,6 +119,7 @@ class Gateway:
         initial_version: int = 0,
         deployment: str = "",
         key_fit_for_public: bool = False,
+        tokenizer_class: str = "",
     ) -> None:
         """``rollout`` is the RolloutServer handle (None when colocated);
         ``deployment`` names this deployment of the application: a replica that
@@ -126,9 +128,9 @@ class Gateway:
         application (its sessions are ended and exported, reason ``restart``).
         ``key_fit_for_public``: the admin key may guard a port beyond loopback;
         without it the replica refuses to start where Serve's proxies listen
-        beyond loopback (whatever the TOML's ``[gateway] host`` says)."""
-        from transformers import AutoTokenizer
-
+        beyond loopback (whatever the TOML's ``[gateway] host`` says).
+        ``tokenizer_class``: the model's (:func:`rlgate.models.tokenizer_class`),
+        so the tokenizer loads without torch."""
         settings = RLGateConfig.model_validate(config)
         gateway = settings.gateway
         refuse_public_bind(await proxy_host(), key_fit_for_public)
@@ -149,7 +151,7 @@ class Gateway:
         self.sessions = sessions
         self.service = GatewayService(
             settings,
-            AutoTokenizer.from_pretrained(model_path),
+            load_tokenizer(model_path, tokenizer_class),
             Auth(admin_key_hash, self.slot),
             sessions,
             engine,

@@ -31,7 +31,7 @@ from rlgate.actors.gateway import Gateway
 from rlgate.actors.policy_store import get_or_create_policy_store
 from rlgate.actors.rollout_server import RolloutServer
 from rlgate.config import RLGateConfig, load_config
-from rlgate.models import BUILTIN_DTYPES, prepare_model
+from rlgate.models import BUILTIN_DTYPES, prepare_model, tokenizer_class
 from rlgate.rollout.pool import PoolRefused, PoolSpec, TenantInfo
 from rlgate.run import NAMESPACE, actor_name
 from rlgate.serving.auth import AdminKeyRefused, is_weak, refuse_public_bind
@@ -160,6 +160,7 @@ def build_app(
     # Serve's access log shows raw paths, and a scoped URL's path is a session key: the Gateway logs its own.
     no_access_log = {"enable_access_log": False}
     deployment = secrets.token_hex(8)  # a replica replacing a crashed one of this deployment resumes its sessions
+    args = gateway_args(config, admin_key_hash, initial_version, deployment, key_fit_for_public)
     if config.gateway.colocate:
         bundle = replica_bundle(config)
         gateway = Gateway.options(
@@ -170,15 +171,21 @@ def build_app(
             logging_config=no_access_log,
             request_router_config=router_config(config.rollout.replicas),  # a session's requests go to its owner
         )
-        args = (_settings(config), resolve_model(config), admin_key_hash, initial_version, deployment)
-        return gateway.bind(None, *args, key_fit_for_public)
+        return gateway.bind(None, *args)
     # in an engine pool the Gateway finds the pool's engines by name (joined first: join_engine_pool)
     engines = build_rollout_app(config, initial_version) if config.rollout.pool is None else None
     gateway = Gateway.options(
         num_replicas=config.gateway.replicas, ray_actor_options={"num_cpus": 0}, logging_config=no_access_log
     )
-    args = (_settings(config), resolve_model(config), admin_key_hash, initial_version, deployment)
-    return gateway.bind(engines, *args, key_fit_for_public)
+    return gateway.bind(engines, *args)
+
+
+def gateway_args(config: RLGateConfig, *args) -> tuple:
+    """The Gateway's arguments after its engines: the settings, the model, ``args``,
+    and the model's tokenizer class, resolved here once so that a replica loads its
+    tokenizer without importing torch (:func:`rlgate.models.load_tokenizer`)."""
+    model = resolve_model(config)
+    return (_settings(config), model, *args, tokenizer_class(model))
 
 
 def app_builder(args: dict) -> Application:

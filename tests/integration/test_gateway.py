@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -14,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from rlgate.models import CALCULATOR_TOOL, TOOL_PROBLEMS, prepare_model
-from tests.support import gateway_fixture
+from tests.support import gateway_fixture, replica_process
 
 SETTINGS = {
     "model": {"name": "tiny-tools"},
@@ -627,3 +628,11 @@ def test_dashboard_metrics_reach_rays_metrics_endpoint(gw):
     assert any('route="/v1/chat/completions"' in line and 'status="200"' in line for line in lines)
     assert any('route="/rl/status"' in line and 'status="401"' in line for line in lines)
     assert not any(session["api_key"] in line for line in text.splitlines())
+
+
+def test_a_gateway_replica_serves_without_torch(gw):
+    """Only engines and trainers need torch: a Gateway replica (its engines elsewhere)
+    tokenizes with the model's tokenizer loaded by class name, and has not mapped
+    libtorch after serving every test above (~240 MiB resident, not ~570)."""
+    maps = Path(f"/proc/{replica_process('gw', 'Gateway').pid}/maps").read_text()
+    assert "libtorch" not in maps

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rlgate.models import ModelNotFoundError, prepare_model
+from rlgate.models import ModelNotFoundError, load_tokenizer, prepare_model, tokenizer_class
 from tests.support import needs_vllm
 
 
@@ -45,6 +45,37 @@ def test_tiny_random_shape_and_tokenizer(tiny_path, tiny_tokenizer):
     assert tiny_tokenizer.decode(tiny_tokenizer.encode(text)) == text
     assert len(tiny_tokenizer.encode("<tool_call>")) == 1
     assert tiny_tokenizer.eos_token == "<|im_end|>"
+
+
+def test_a_tokenizer_loaded_by_its_class_name_is_autotokenizers_without_torch(tiny_path, tiny_tokenizer):
+    """A Gateway replica loads the tokenizer by the class name AutoTokenizer picks, in a
+    process that never imports torch. For tiny-random that is Qwen2Tokenizer, from the
+    config's model type: its pre-tokenizer splits numbers into digits, tokenizer.json's
+    (the generic class's) does not, so the two differ on " 12+3"."""
+    name = tokenizer_class(tiny_path)
+    assert name == type(tiny_tokenizer).__name__ == "Qwen2Tokenizer"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Grüße: 12+3 = ?"}]
+    script = (
+        "import json, sys; from rlgate.models import load_tokenizer; "
+        "t = load_tokenizer(sys.argv[1], sys.argv[2]); "
+        "ids = t.apply_chat_template(json.loads(sys.argv[3]), add_generation_prompt=True)['input_ids']; "
+        "print(json.dumps([type(t).__name__, ids, t.decode(ids), 'torch' in sys.modules]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tiny_path), name, json.dumps(messages)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    kind, ids, text, torch_imported = json.loads(out.stdout.splitlines()[-1])
+    expected = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    assert (kind, ids, text) == (name, expected, tiny_tokenizer.decode(expected))
+    assert not torch_imported
+    generic = load_tokenizer(tiny_path, "TokenizersBackend")  # what tokenizer_config.json names
+    assert generic([" 12+3"])["input_ids"] != tiny_tokenizer([" 12+3"])["input_ids"]
+    for unknown in ("", "NoSuchTokenizer"):  # no name, or one transformers lacks: AutoTokenizer's own choice
+        assert type(load_tokenizer(tiny_path, unknown)).__name__ == name
 
 
 def test_tiny_random_chat_template_renders_tools(tiny_tokenizer):
