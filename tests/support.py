@@ -154,8 +154,13 @@ class RayNodes:
             time.sleep(0.5)
 
     def worker(self, name: str, num_cpus: int, resources: dict) -> None:
-        """Start a worker node joining the head (the caller waits for it in the state API)."""
-        self._start(name, num_cpus, resources, f"--address={self.gcs}")
+        """Start a worker node joining the head (the caller waits for it in the state API),
+        with a temp dir of its own, as a node on another machine has: with the head's, a job
+        driver on the head found its unpacked working_dir deleted under it (both nodes'
+        runtime-env agents keep and clean that folder)."""
+        temp = self.temp / name
+        temp.mkdir()
+        self._start(name, num_cpus, resources, f"--address={self.gcs}", f"--temp-dir={temp}")
 
     def _start(self, name: str, num_cpus: int, resources: dict, *args: str) -> subprocess.Popen:
         import json

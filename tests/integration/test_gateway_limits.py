@@ -162,9 +162,9 @@ def test_idle_sessions_are_ended_and_exported(clean):
 
 
 def test_a_crashed_engine_gives_503_then_serve_replaces_it(clean, ray_session):
-    session = clean.start_session("crash")
     children = replica_process("gw-small", "RolloutServer").children(recursive=True)
     assert children, "expected vLLM's engine processes under the replica"
+    session = clean.start_session("crash")  # after the state API's answer (seconds under load): 6 s idle timeout
     for child in children:
         child.send_signal(signal.SIGKILL)
     with pytest.raises(openai.APIStatusError) as down:
