@@ -633,6 +633,6 @@ def test_dashboard_metrics_reach_rays_metrics_endpoint(gw):
 def test_a_gateway_replica_serves_without_torch(gw):
     """Only engines and trainers need torch: a Gateway replica (its engines elsewhere)
     tokenizes with the model's tokenizer loaded by class name, and has not mapped
-    libtorch after serving every test above (~240 MiB resident, not ~570)."""
+    libtorch after serving every test above (about half the resident memory)."""
     maps = Path(f"/proc/{replica_process('gw', 'Gateway').pid}/maps").read_text()
     assert "libtorch" not in maps
