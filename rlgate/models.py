@@ -89,7 +89,7 @@ def load_tokenizer(path: str | Path, class_name: str = ""):
     """The model's tokenizer, as ``AutoTokenizer`` loads it: by ``class_name``
     (:func:`tokenizer_class`, resolved once where the app is built) without
     importing torch, so a process that only tokenizes (a Gateway replica) is
-    ready at about half the memory and CPU (316 against 662 MiB resident); by
+    ready at about half the memory and CPU (316 against 661 MiB resident); by
     ``AutoTokenizer`` when no name is given or transformers has no class of that name."""
     import transformers
 
