@@ -160,7 +160,10 @@ def build_app(
     # Serve's access log shows raw paths, and a scoped URL's path is a session key: the Gateway logs its own.
     no_access_log = {"enable_access_log": False}
     deployment = secrets.token_hex(8)  # a replica replacing a crashed one of this deployment resumes its sessions
-    args = gateway_args(config, admin_key_hash, initial_version, deployment, key_fit_for_public)
+    model = resolve_model(config)
+    # the model's tokenizer class, resolved here once: each replica loads its tokenizer by it, without torch
+    args = (_settings(config), model, admin_key_hash, initial_version, deployment, key_fit_for_public)
+    args += (tokenizer_class(model),)
     if config.gateway.colocate:
         bundle = replica_bundle(config)
         gateway = Gateway.options(
@@ -178,14 +181,6 @@ def build_app(
         num_replicas=config.gateway.replicas, ray_actor_options={"num_cpus": 0}, logging_config=no_access_log
     )
     return gateway.bind(engines, *args)
-
-
-def gateway_args(config: RLGateConfig, *args) -> tuple:
-    """The Gateway's arguments after its engines: the settings, the model, ``args``,
-    and the model's tokenizer class, resolved here once so that a replica loads its
-    tokenizer without importing torch (:func:`rlgate.models.load_tokenizer`)."""
-    model = resolve_model(config)
-    return (_settings(config), model, *args, tokenizer_class(model))
 
 
 def app_builder(args: dict) -> Application:
