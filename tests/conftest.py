@@ -22,6 +22,10 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 # takes it from 2.7 to 1.3 % of a core and the GCS it polls from 1.6 to 0.9 % (each session cluster lives the
 # whole suite, beside the clusters drivers start); a deploy or a replica's replacement waits a loop or two more
 os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.25")
+# A raylet starts no idle workers for the first driver to join it (by default one a CPU, two on a session
+# cluster): the tests' drivers mostly make detached actors, whose workers start on demand anyway, and an idle
+# worker that is never used costs its start and ~0.5 % of a core for the whole suite (18 such, 33 CPU-s, seen)
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 # Ray's log monitor lists the log folder every 0.1 s while it holds under this many files; at 0 it
 # lists it every 0.5 s (new workers' logs still reach drivers): 4.3 ms/s of CPU an idle cluster, not 10.3
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
