@@ -143,6 +143,7 @@ def join_engine_pool(config: RLGateConfig, initial_version: int = 0) -> PoolSpec
     try:
         joined = join_pool(config, spec, tenant, build_rollout_app(config, pool=pool), str(state))
     except PoolRefused as refused:
+        ray.kill(store)  # made for the pool to follow: a run that cannot join leaves nothing behind
         raise SystemExit(f"rlgate: {refused}") from None
     # every replica serves this run (its follower acks this run's new store) before its first request
     if not ray.get(store.wait_served.remote(initial_version, joined.replicas, POOL_SERVED_S)):

@@ -45,6 +45,7 @@ from rlgate.run import (
     INHERITED_STATE,
     MODEL,
     NAMESPACE,
+    ROLES,
     actor_name,
     app_name,
     checkpoint_states,
@@ -341,7 +342,10 @@ def admit_under_the_rule(config: RLGateConfig, version: int, backlog: Counters |
 
 def finish(config: RLGateConfig, log: RunLog, progress: Progress, started_serve: bool) -> None:
     """The log closed, the curve drawn, the run's application deleted (and Serve,
-    when this run started it and nothing else is served)."""
+    when this run started it and nothing else is served), then its detached actors
+    ended, as a JobManager ends a job's: on a cluster that keeps running, each would
+    otherwise idle there for good (a process, ~1 % of a core). Its files stay: a
+    resumed run reopens the sessions its journal holds."""
     log.close()
     plot = log.plot()
     print(
@@ -351,6 +355,7 @@ def finish(config: RLGateConfig, log: RunLog, progress: Progress, started_serve:
     serve.delete(app_name(config.gateway.run_name, config.gateway.route_prefix))
     if config.rollout.pool is not None:  # the last run to leave deletes the pool
         leave_pool(config.rollout.pool, config.gateway.run_name)
+    end_actors(config.gateway.run_name, ROLES, wait_s=0.0)
     if started_serve and not serve.status().applications:
         serve.shutdown()
 

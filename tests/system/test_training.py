@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from rlgate.models import prepare_model
 from rlgate.rollout.pool import PREFIX as POOL_PREFIX
+from rlgate.run import ROLES, actor_name, app_name
 from tests.support import ROOT, free_port, lines
 
 VOWELS_REWARD = """
@@ -95,6 +96,20 @@ def sampled_versions(run: Path) -> dict[int, list[list[int]]]:
     records = {r["seq"]: r for f in sorted((run / "trajectories").glob("*.jsonl")) for r in lines(f)}
     sampled = {seq: [v for m, v in zip(r["loss_mask"], r["versions"]) if m] for seq, r in records.items()}
     return {batch["step"]: [sampled[seq] for seq in batch["seqs"]] for batch in lines(run / "batches.jsonl")}
+
+
+def assert_left_nothing(run: str) -> None:
+    """The run's driver has ended, and nothing of the run is left in the cluster it joined:
+    its application and every actor of the run are gone (``ray.kill`` returns before they are)."""
+    import ray
+    from ray import serve
+
+    assert app_name(run, f"/{run}") not in serve.status().applications
+    names = {actor_name(run, role) for role in ROLES}
+    deadline = time.monotonic() + 60
+    while left := names & {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}:
+        assert time.monotonic() < deadline, f"the run's actors outlived its driver: {left}"
+        time.sleep(0.5)
 
 
 @dataclass
@@ -310,7 +325,8 @@ def test_a_run_survives_a_killed_worker_and_ctrl_c_then_resumes_from_its_checkpo
 def test_online_mode_trains_on_external_agents_within_the_staleness_bound(tmp_path, joined):
     """Online mode: no built-in task. The driver serves and waits; concurrent
     external agents (the official openai client, two turns with a pause between)
-    drive the sessions; with S = 1 no trained token is more than one version old."""
+    drive the sessions; with S = 1 no trained token is more than one version old.
+    When it ends, nothing of the run is left running on the cluster."""
     import asyncio
     import time
 
@@ -427,6 +443,7 @@ total_steps = {steps}
         s["running"] + s["accepted"] - s["discarded"] <= (s["max_staleness"] + s["version"] + 1) * batch
         for s in status_seen
     )
+    assert_left_nothing("online")
 
 
 def test_bad_configs_and_overrides_are_one_line_errors(tmp_path):
@@ -590,10 +607,13 @@ def test_two_runs_share_one_engine_each_training_and_served_by_its_own_adapter(t
     assert "rlgate: run 'c' cannot share engine pool 'shared': it asks for LoRA rank up to 16 (the pool's " in (
         wider.stderr
     )
+    assert_left_nothing("c")  # not even the PolicyStore it made for the pool to follow
     for run, driver in drivers.items():
         output, _ = driver.communicate(timeout=900)
         assert driver.returncode == 0, f"run {run}:\n{output[-4000:]}"
     assert f"{POOL_PREFIX}shared" not in serve.status().applications  # the last run to leave deleted the pool
+    for run in RUNS:
+        assert_left_nothing(run)
 
     late = {}  # each run's mean reward over its last half of steps
     for run in RUNS:
