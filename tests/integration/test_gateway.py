@@ -617,16 +617,21 @@ def test_dashboard_metrics_reach_rays_metrics_endpoint(gw):
         httpx.post(f"{gw.url}/rl/end_session", headers=session_headers(key))
     port = next(node["MetricsExportPort"] for node in ray.nodes() if node["Alive"])
     wanted = {name for name in METRICS if not name.startswith("rlgate_train_")}  # those are the driver's
-    deadline, missing = time.monotonic() + 90, wanted
+    # Each process reports on its own interval: every name may be out (from earlier tests) before this
+    # test's requests are, so wait for the lines this test made as well.
+    counted = {("/v1/chat/completions", "200"), ("/rl/status", "401")}
+    deadline, missing = time.monotonic() + 90, wanted | counted
     while missing and time.monotonic() < deadline:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        missing = {name for name in wanted if f"ray_{name.removesuffix('_total')}" not in text}
+        lines = [line for line in text.splitlines() if "rlgate_requests" in line and 'run="gw"' in line]
+        missing = {name for name in wanted if f"ray_{name.removesuffix('_total')}" not in text} | {
+            (route, status)
+            for route, status in counted
+            if not any(f'route="{route}"' in line and f'status="{status}"' in line for line in lines)
+        }
         time.sleep(1)
     have = sorted({line.split("{")[0] for line in text.splitlines() if "rlgate" in line and line[0] != "#"})
-    assert not missing, f"not exported: {sorted(missing)}; exported: {have}"
-    lines = [line for line in text.splitlines() if "rlgate_requests" in line and 'run="gw"' in line]
-    assert any('route="/v1/chat/completions"' in line and 'status="200"' in line for line in lines)
-    assert any('route="/rl/status"' in line and 'status="401"' in line for line in lines)
+    assert not missing, f"not exported: {sorted(map(str, missing))}; exported: {have}"
     assert not any(session["api_key"] in line for line in text.splitlines())
 
 
