@@ -41,7 +41,7 @@ def run_chat(config_path: str, max_tokens: int = 64) -> int:
     from rich.text import Text
 
     from rlgate.config import load_config
-    from rlgate.serving.app import build_app, resolve_model
+    from rlgate.serving.app import build_app, end_served, resolve_model
     from rlgate.serving.routing import serve_start_options
     from rlgate.sessions.manager import hash_key
 
@@ -109,9 +109,7 @@ def run_chat(config_path: str, max_tokens: int = 64) -> int:
         console.print(f"\nreward 1.0 set; {ended['message']} ({ended['interaction_count']} completions)")
         _show_trajectory(console, Table, httpx.get(f"{url}/rl/trajectories", headers=admin).text, session, config)
     finally:
-        serve.delete(CHAT_APP)
-        if running is None:
-            serve.shutdown()
+        end_served(config, running is None, CHAT_APP)  # another Serve's applications are left alone
         ray.shutdown()
     return 0
 

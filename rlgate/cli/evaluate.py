@@ -98,8 +98,9 @@ def run_eval(args) -> int:
 
     from rich.console import Console
 
-    from rlgate.run import NAMESPACE, app_name, end_actors
+    from rlgate.run import NAMESPACE
     from rlgate.sdk.taskapp import environment_key
+    from rlgate.serving.app import end_served
     from rlgate.training import driver
     from rlgate.training.evaluation import evaluate
 
@@ -111,7 +112,6 @@ def run_eval(args) -> int:
     url = args.backend
     local = url is None
     import ray
-    from ray import serve
 
     if local:
         config.gateway.run_name = f"{config.gateway.run_name}-eval"
@@ -136,11 +136,8 @@ def run_eval(args) -> int:
         )
     finally:
         if local:  # nothing of the evaluation's own gateway is kept: its app, its run's actors, its folder
-            serve.delete(app_name(config.gateway.run_name, config.gateway.route_prefix))
-            end_actors(config.gateway.run_name)
+            end_served(config, started_serve)
             shutil.rmtree(config.gateway.run_dir, ignore_errors=True)
-            if started_serve and not serve.status().applications:
-                serve.shutdown()
     result = {"model": served, **report.as_dict()}
     Console(width=120, stderr=args.json is None).print(report.table())
     if args.json is not None:

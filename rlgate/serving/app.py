@@ -21,6 +21,7 @@ import argparse
 import os
 import secrets
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -33,7 +34,7 @@ from rlgate.actors.rollout_server import RolloutServer
 from rlgate.config import RLGateConfig, load_config
 from rlgate.models import BUILTIN_DTYPES, prepare_model, tokenizer_class
 from rlgate.rollout.pool import PoolRefused, PoolSpec, TenantInfo
-from rlgate.run import NAMESPACE, actor_name
+from rlgate.run import NAMESPACE, ROLES, actor_name, app_name, end_actors
 from rlgate.serving.auth import AdminKeyRefused, is_weak, refuse_public_bind
 from rlgate.serving.routing import router_config, serve_start_options
 from rlgate.sessions.manager import hash_key, new_key
@@ -151,6 +152,55 @@ def join_engine_pool(config: RLGateConfig, initial_version: int = 0) -> PoolSpec
     return joined
 
 
+QUIET = {"enable_access_log": False}  # Serve's logging: a line per request would bury a driver's progress bar
+
+
+@dataclass
+class Serving:
+    """Serve's HTTP proxy as this process found it: where it listens, and whether this process started it."""
+
+    host: str
+    port: int
+    started: bool
+
+
+def start_serve(config: RLGateConfig, version: int = 0) -> Serving:
+    """Serve's HTTP proxy (a Serve already running keeps its own host and port),
+    and a ``[rollout] pool``'s shared engines joined: the gateway calls them by name."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    gateway = config.gateway
+    running = _get_global_client(raise_if_no_controller_running=False)
+    if running is None:
+        # One proxy, on the head: agents use one address (a proxy per node would also collide on a shared host).
+        http = {"host": gateway.host, "port": gateway.port}
+        serve.start(proxy_location="HeadOnly", http_options=http, logging_config=QUIET, **serve_start_options())
+        serving = Serving(gateway.host, gateway.port, True)
+    else:
+        serving = Serving(running.http_config.host, running.http_config.port, False)
+    if config.rollout.pool is not None:
+        join_engine_pool(config, version)
+    return serving
+
+
+def end_served(config: RLGateConfig, started_serve: bool, app: str | None = None) -> None:
+    """Nothing a process served for its run is left running: the application (``app``,
+    else the run's own) deleted, the run's ``[rollout] pool`` left (the last run to leave
+    deletes the pool), the run's detached actors ended, as a JobManager ends a job's (on a
+    cluster that keeps running each would idle there for good, a process at ~1 % of a
+    core), and Serve shut down when this process started it and nothing else is served:
+    other applications on a shared cluster are left alone. The run's files stay."""
+    from ray import serve
+
+    serve.delete(app or app_name(config.gateway.run_name, config.gateway.route_prefix))
+    if config.rollout.pool is not None:
+        leave_pool(config.rollout.pool, config.gateway.run_name)
+    end_actors(config.gateway.run_name, ROLES)
+    if started_serve and not serve.status().applications:
+        serve.shutdown()
+
+
 def build_app(
     config: RLGateConfig, admin_key_hash: str, initial_version: int = 0, key_fit_for_public: bool = False
 ) -> Application:
@@ -198,6 +248,9 @@ def app_builder(args: dict) -> Application:
 app = app_builder
 
 
+APP = "rlgate"  # `python serve_app.py` / `rlgate serve`: at the root of Serve's proxy
+
+
 def main() -> None:
     import signal
     import threading
@@ -223,20 +276,15 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
     ray.init(address=os.environ.get("RAY_ADDRESS"))
-    # agents use the head; its proxy routes each session's requests to the replica that owns it
-    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port}, **serve_start_options())
-    if config.rollout.pool is not None:
-        join_engine_pool(config)
+    serving = start_serve(config)  # a Serve already running on the cluster keeps its address
     app = build_app(config, hash_key(key.value), key_fit_for_public=key.fit_for_public)
-    serve.run(app, name="rlgate", route_prefix="/")
-    url = f"http://{host}:{port}"
+    serve.run(app, name=APP, route_prefix="/")
+    url = f"http://{serving.host}:{serving.port}"
     print(f"rlgate: serving {config.served_model_name} at {url} (OpenAI base URL {url}/v1)", flush=True)
     if key.generated:
         print(f"rlgate: admin key (shown once; set RLGATE_ADMIN_KEY to choose it): {key.value}", flush=True)
     stop.wait()
-    if config.rollout.pool is not None:
-        leave_pool(config.rollout.pool, config.gateway.run_name)
-    serve.shutdown()
+    end_served(config, serving.started, APP)
 
 
 if __name__ == "__main__":

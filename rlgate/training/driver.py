@@ -36,7 +36,6 @@ import httpx
 import ray
 from ray import serve
 
-from rlgate.actors.engine_pool import leave_pool
 from rlgate.actors.trainer import TrainerWorkers
 from rlgate.config import ConfigError, RLGateConfig, dump_config, load_config, with_changes
 from rlgate.rollout.pool import pool_name
@@ -45,7 +44,6 @@ from rlgate.run import (
     INHERITED_STATE,
     MODEL,
     NAMESPACE,
-    ROLES,
     actor_name,
     app_name,
     checkpoint_states,
@@ -55,15 +53,17 @@ from rlgate.run import (
 )
 from rlgate.sdk.taskapp import KeyFileError, TaskAppClient, TaskAppError, environment_key
 from rlgate.serving.app import (
+    QUIET,
     AdminKey,
     AdminKeyRefused,
+    Serving,
     admin_key,
     build_app,
-    join_engine_pool,
+    end_served,
     policy_store,
     resolve_model,
+    start_serve,
 )
-from rlgate.serving.routing import serve_start_options
 from rlgate.sessions.journal import open_session_ids
 from rlgate.sessions.manager import hash_key, new_key
 from rlgate.sessions.trajectory_files import last_seq
@@ -75,8 +75,6 @@ from rlgate.training.placement import cluster_nodes, plan, unplaceable, wait_for
 from rlgate.training.runlog import RunLog
 from rlgate.training.tasks import Episodes, builtin_episodes, get_task, task_app_episodes
 from rlgate.training.tracking import Tracking
-
-QUIET = {"enable_access_log": False}  # Serve's logging: a line per request would bury the progress bar
 
 
 def main() -> int:
@@ -352,12 +350,7 @@ def finish(config: RLGateConfig, log: RunLog, progress: Progress, started_serve:
         f"rlgate: {progress.step} steps, policy version {progress.version}; metrics in {log.path}"
         + (f", reward curve {plot}" if plot else "")
     )
-    serve.delete(app_name(config.gateway.run_name, config.gateway.route_prefix))
-    if config.rollout.pool is not None:  # the last run to leave deletes the pool
-        leave_pool(config.rollout.pool, config.gateway.run_name)
-    end_actors(config.gateway.run_name, ROLES, wait_s=0.0)
-    if started_serve and not serve.status().applications:
-        serve.shutdown()
+    end_served(config, started_serve)
 
 
 def interrupted(*_) -> None:
@@ -386,34 +379,6 @@ def gateway_key(config: RLGateConfig, private: bool) -> AdminKey:
         return admin_key(config.gateway.host)
     except AdminKeyRefused as refused:
         raise SystemExit(str(refused)) from None
-
-
-@dataclass
-class Serving:
-    """Serve's HTTP proxy as this run found it: where it listens, and whether this run started it."""
-
-    host: str
-    port: int
-    started: bool
-
-
-def start_serve(config: RLGateConfig, version: int) -> Serving:
-    """Serve's HTTP proxy (a Serve already running keeps its own host and port),
-    and a ``[rollout] pool``'s shared engines joined: the gateway calls them by name."""
-    from ray.serve.context import _get_global_client
-
-    gateway = config.gateway
-    running = _get_global_client(raise_if_no_controller_running=False)
-    if running is None:
-        # One proxy, on the head: agents use one address (a proxy per node would also collide on a shared host).
-        http = {"host": gateway.host, "port": gateway.port}
-        serve.start(proxy_location="HeadOnly", http_options=http, logging_config=QUIET, **serve_start_options())
-        serving = Serving(gateway.host, gateway.port, True)
-    else:
-        serving = Serving(running.http_config.host, running.http_config.port, False)
-    if config.rollout.pool is not None:
-        join_engine_pool(config, version)
-    return serving
 
 
 def deploy_gateway(config: RLGateConfig, serving: Serving, version: int, key: AdminKey) -> str:

@@ -1,6 +1,7 @@
 """Starting the application the ways a user does: `python serve_app.py` and
-`serve run serve_app:app`, each in its own process with its own local Ray
-(HF engine on tiny-random, to start quickly)."""
+`serve run serve_app:app`, each in its own process with its own local Ray, and
+`python serve_app.py` joined to a running cluster (HF engine on tiny-random, to
+start quickly)."""
 
 from __future__ import annotations
 
@@ -150,6 +151,48 @@ def test_python_serve_app_prints_url_and_a_generated_admin_key(config_file):
         assert status.status_code == 200
     finally:
         stop(process, output)
+
+
+def test_python_serve_app_joined_to_a_cluster_ends_what_it_made_and_nothing_else(ray_session, config_file):
+    """With RAY_ADDRESS, on a cluster whose Serve already listens: it serves at
+    Serve's own address, and at Ctrl-C ends its application and its run's actors,
+    while another application, and Serve itself, go on serving."""
+    from ray import serve
+
+    from rlgate.run import ROLES, actor_name, is_alive
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Other:
+        def __call__(self, request) -> str:
+            return "still here"
+
+    serve.run(Other.bind(), name="other", route_prefix="/other")
+    url, key = ray_session.serve_url, "a-long-enough-admin-key-for-tests"
+    address = ray_session.get_runtime_context().gcs_address
+    process = subprocess.Popen(
+        [sys.executable, "serve_app.py", "--config", str(config_file), "--port", str(free_port())],
+        cwd=ROOT,
+        env=environment(RAY_ADDRESS=address, RLGATE_ADMIN_KEY=key, RAY_AUTH_MODE="disabled"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=hears_ctrl_c,
+    )
+    output = Output(process)
+    try:
+        output.wait_for(f"rlgate: serving tiny-random at {url} ", process)  # Serve's address, not --port's
+        assert wait_healthy(url, process)["status"] == "ok"
+        assert httpx.get(f"{url}/rl/status", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        assert is_alive("cli", "sessions") and is_alive("cli", "capacity")
+    finally:
+        stop(process, output)
+    try:
+        assert set(serve.status().applications) == {"other"}
+        assert httpx.get(f"{url}/other").text == "still here"
+        alive = [actor_name("cli", role) for role in ROLES if is_alive("cli", role)]
+        assert alive == [], f"left running: {alive}"
+    finally:
+        serve.delete("other")
 
 
 def test_serve_run_serve_app_app(config_file):
