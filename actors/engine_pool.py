@@ -6,8 +6,8 @@ LoRA adapter. Its keeper is a named detached actor ``enginepool-<pool>``,
 created by the first run to join (get-or-create). Called by a run as it starts
 (``join``: deploys the application when it is not running, else checks that the
 run asks for the same engines) and as it ends (``leave``: the last run to
-leave deletes the application), and by every pool replica (``tenants``
-long-polls the runs). Owns: the pool's spec and its runs (each one's starting
+leave deletes the application, and the keeper then ends), and by every pool
+replica (``tenants`` long-polls the runs). Owns: the pool's spec and its runs (each one's starting
 version and adapter), written to ``state_path`` at each change and read back
 when Ray restarts it. Each run holds a :class:`PoolLease`, an actor owned by its
 driver's process: a run whose lease is gone (its driver ended without leaving,
@@ -40,6 +40,7 @@ from rlgate.run import NAMESPACE, actor_name, get_actor, is_alive
 
 logger = logging.getLogger(__name__)
 PRUNE_EVERY_S = 10.0  # how often the keeper looks for runs that ended without leaving
+KEEPER_GONE_S = 30.0  # how long a join waits for the name of a keeper that has ended to be free
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
@@ -105,9 +106,14 @@ class EnginePool:
             await self._changed_runs()
         if not self.runs and self.spec is not None:
             logger.info("engine pool %s has no runs left: deleting it", self.pool)
-            await asyncio.to_thread(serve.delete, self.name)
+            await asyncio.to_thread(serve.delete, self.name)  # its replicas are gone when this returns
             self.spec = None
-            self._save()
+            # and the keeper with it (else it idles for good, a process at ~1 % of a core). Its long polls
+            # are answered first: Ray ends an actor once its running calls have, and the gone replicas'
+            # last polls would hold it up to their 30 s. A join queued meanwhile fails: join_pool makes a
+            # new keeper.
+            await self._changed_runs()
+            ray.actor.exit_actor()
 
     async def tenants(
         self, known: tuple[str, int] | None = None, timeout_s: float = 30.0
@@ -167,22 +173,35 @@ def join_pool(config, spec: PoolSpec, tenant: TenantInfo, app, state_path: str) 
     if run not in _leases:  # the handle made it: dropping it would end the lease
         _leases[run] = PoolLease.options(name=actor_name(run, LEASE), namespace=NAMESPACE).remote()
         ray.get(_leases[run].ready.remote())
-    keeper = get_or_create_engine_pool(config.rollout.pool, state_path)
     tenant = replace(tenant, joined=uuid.uuid4().hex)  # this joining, apart from an earlier run of the name
-    try:
-        joined = ray.get(keeper.join.remote(run, spec.as_dict(), asdict(tenant), [app]))
-    except ray.exceptions.RayTaskError as err:
-        if isinstance(err.cause, PoolRefused):
-            raise err.cause from None
-        raise
-    return PoolSpec(**joined)
+    deadline = time.monotonic() + KEEPER_GONE_S
+    while True:
+        keeper = get_or_create_engine_pool(config.rollout.pool, state_path)
+        try:
+            joined = ray.get(keeper.join.remote(run, spec.as_dict(), asdict(tenant), [app]))
+            return PoolSpec(**joined)
+        except ray.exceptions.RayTaskError as err:
+            if isinstance(err.cause, PoolRefused):
+                raise err.cause from None
+            raise
+        except ray.exceptions.RayActorError:
+            # the keeper ended with the pool's last run (its name is freed, then made again), or it is
+            # restarting after a crash: join again (a join only sets this run's entry)
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def leave_pool(pool: str, run: str) -> None:
+    """Leave the pool: the last run to leave deletes it, and its keeper ends."""
     try:
         ray.get(ray.get_actor(pool_name(pool), namespace=NAMESPACE).leave.remote(run))
     except ValueError:
         pass  # no keeper: nothing to leave
+    except ray.exceptions.RayActorError:
+        # it ended with the pool (this was its last run), or it crashed and restarts with the run
+        # still listed: the lease ended below has the run dropped at its next look
+        pass
     lease = _leases.pop(run, None)
     if lease is not None:
         ray.kill(lease)

@@ -3,11 +3,14 @@ session's Ray: the first run to join deploys the pool, a replica serves each run
 from that run's own PolicyStore, one run that cannot be served yet keeps no
 other from it, a run started again under its name replaces the old one, a run
 whose driver is gone (its lease) is dropped, a run asking for other engines is
-refused with the reason, and the last run to leave deletes the pool. The engine
+refused with the reason, and the last run to leave deletes the pool and ends its
+keeper (a later run makes both anew). The engine
 is a small fake (the real one's tenants: test_lora_engine.py; the whole of it:
 tests/system/test_training.py)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -63,6 +66,19 @@ async def test_a_pool_serves_each_run_from_its_own_store_until_it_leaves_or_its_
 
     state = str(tmp_path / "pools" / f"{POOL}.json")
 
+    def keeper_alive() -> bool:
+        try:
+            ray_session.get_actor(f"{PREFIX}{POOL}", namespace=NAMESPACE)
+            return True
+        except ValueError:
+            return False
+
+    def keeper_ended() -> bool:  # its name is free shortly after it exits
+        deadline = time.monotonic() + 30
+        while keeper_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return not keeper_alive()
+
     def join(run: str, rank: int = 8) -> PoolSpec:
         config = run_config(run, tmp_path, rank)
         return join_pool(config, PoolSpec.of(config, "/models/tiny"), TenantInfo(), Engines.bind(), state)
@@ -97,10 +113,15 @@ async def test_a_pool_serves_each_run_from_its_own_store_until_it_leaves_or_its_
     await replica.refresh(timeout_s=0)
     assert set(replica.followers) == {"pa"} and "pb" not in replica.engine.versions
 
+    await replica.stop()  # (a real replica goes with the pool's application)
     leave_pool(POOL, "pa")
     assert f"{PREFIX}{POOL}" not in serve.status().applications  # the last run to leave deleted the pool
-    await replica.refresh(timeout_s=0)
-    assert replica.followers == {} and replica.engine.versions == {}
-    await replica.stop()
-    for run in ("pa", "pb"):
+    assert keeper_ended()  # and its keeper ended with it: nothing of the pool idles on the cluster
+
+    policy_store("pd")
+    assert join("pd", rank=16).lora_rank == 16  # a later run makes the pool, and a keeper, anew: its own spec
+    assert f"{PREFIX}{POOL}" in serve.status().applications and keeper_alive()
+    leave_pool(POOL, "pd")
+    assert f"{PREFIX}{POOL}" not in serve.status().applications and keeper_ended()
+    for run in ("pa", "pb", "pd"):
         ray_session.kill(ray_session.get_actor(actor_name(run, "policy"), namespace=NAMESPACE))

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from rlgate.models import prepare_model
 from rlgate.rollout.pool import PREFIX as POOL_PREFIX
+from rlgate.rollout.pool import pool_name
 from rlgate.run import ROLES, actor_name, app_name
 from tests.support import ROOT, free_port, lines
 
@@ -98,14 +99,15 @@ def sampled_versions(run: Path) -> dict[int, list[list[int]]]:
     return {batch["step"]: [sampled[seq] for seq in batch["seqs"]] for batch in lines(run / "batches.jsonl")}
 
 
-def assert_left_nothing(run: str) -> None:
+def assert_left_nothing(run: str, *others: str) -> None:
     """The run's driver has ended, and nothing of the run is left in the cluster it joined:
-    its application and every actor of the run are gone (``ray.kill`` returns before they are)."""
+    its application and every actor of the run (and the actors named ``others``) are gone
+    (``ray.kill`` returns before they are)."""
     import ray
     from ray import serve
 
     assert app_name(run, f"/{run}") not in serve.status().applications
-    names = {actor_name(run, role) for role in ROLES}
+    names = {actor_name(run, role) for role in ROLES} | set(others)
     deadline = time.monotonic() + 60
     while left := names & {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}:
         assert time.monotonic() < deadline, f"the run's actors outlived its driver: {left}"
@@ -613,7 +615,7 @@ def test_two_runs_share_one_engine_each_training_and_served_by_its_own_adapter(t
         assert driver.returncode == 0, f"run {run}:\n{output[-4000:]}"
     assert f"{POOL_PREFIX}shared" not in serve.status().applications  # the last run to leave deleted the pool
     for run in RUNS:
-        assert_left_nothing(run)
+        assert_left_nothing(run, pool_name("shared"))  # the pool's keeper ended with the pool
 
     late = {}  # each run's mean reward over its last half of steps
     for run in RUNS:
