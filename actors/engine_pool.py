@@ -7,9 +7,9 @@ created by the first run to join (get-or-create). Called by a run as it starts
 (``join``: deploys the application when it is not running, else checks that the
 run asks for the same engines) and as it ends (``leave``: the last run to
 leave deletes the application, and the keeper then ends), and by every pool
-replica (``tenants`` long-polls the runs). Owns: the pool's spec and its runs (each one's starting
-version and adapter), written to ``state_path`` at each change and read back
-when Ray restarts it. Each run holds a :class:`PoolLease`, an actor owned by its
+replica (``tenants`` long-polls the runs). Owns: the pool's spec and its runs
+(each one's starting version and adapter), written to ``state_path`` at each
+change and read back when Ray restarts it. Each run holds a :class:`PoolLease`, an actor owned by its
 driver's process: a run whose lease is gone (its driver ended without leaving,
 e.g. it was killed) is dropped.
 
