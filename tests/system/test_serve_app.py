@@ -1,7 +1,7 @@
-"""Starting the application the ways a user does: `python serve_app.py` and
-`serve run serve_app:app`, each in its own process with its own local Ray, and
-`python serve_app.py` joined to a running cluster (HF engine on tiny-random, to
-start quickly)."""
+"""Starting the application the ways a user does, each in its own process:
+`python serve_app.py` joined to a running cluster, and `serve run
+serve_app:app` with its own local Ray (HF engine on tiny-random, to start
+quickly)."""
 
 from __future__ import annotations
 
@@ -129,34 +129,12 @@ def test_no_admin_key_is_made_where_its_print_would_land_in_rays_logs(ray_sessio
     assert serve_app.admin_key("127.0.0.1").generated  # a driver on loopback still gets one, printed to its user
 
 
-def test_python_serve_app_prints_url_and_a_generated_admin_key(config_file):
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "serve_app.py", "--config", str(config_file), "--port", str(port)],
-        cwd=ROOT,
-        env=environment(RAY_AUTH_MODE="disabled"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        preexec_fn=hears_ctrl_c,
-    )
-    url = f"http://127.0.0.1:{port}"
-    output = Output(process)
-    try:
-        output.wait_for(f"rlgate: serving tiny-random at {url}", process)
-        assert wait_healthy(url, process) == {"status": "ok", "workers": 1, "policy_version": 0}
-        key = re.search(r"admin key \(shown once.*?\): (\S+)", output.wait_for("admin key", process)).group(1)
-        assert len(key) >= 32
-        status = httpx.get(f"{url}/rl/status", headers={"Authorization": f"Bearer {key}"})
-        assert status.status_code == 200
-    finally:
-        stop(process, output)
-
-
-def test_python_serve_app_joined_to_a_cluster_ends_what_it_made_and_nothing_else(ray_session, config_file):
-    """With RAY_ADDRESS, on a cluster whose Serve already listens: it serves at
-    Serve's own address, and at Ctrl-C ends its application and its run's actors,
-    while another application, and Serve itself, go on serving."""
+def test_python_serve_app_prints_url_and_a_generated_admin_key_and_ends_what_it_made(ray_session, config_file):
+    """`python serve_app.py` with RAY_ADDRESS, on a cluster whose Serve already
+    listens: it serves at Serve's own address (not --port's), prints a generated
+    admin key that works, and at Ctrl-C ends its application and its run's actors,
+    while another application, and Serve itself, go on serving. (Starting Serve
+    on the configured address is a driver's path too: test_cluster.py's job.)"""
     from ray import serve
 
     from rlgate.run import ROLES, actor_name, is_alive
@@ -167,12 +145,11 @@ def test_python_serve_app_joined_to_a_cluster_ends_what_it_made_and_nothing_else
             return "still here"
 
     serve.run(Other.bind(), name="other", route_prefix="/other")
-    url, key = ray_session.serve_url, "a-long-enough-admin-key-for-tests"
-    address = ray_session.get_runtime_context().gcs_address
+    url, address = ray_session.serve_url, ray_session.get_runtime_context().gcs_address
     process = subprocess.Popen(
         [sys.executable, "serve_app.py", "--config", str(config_file), "--port", str(free_port())],
         cwd=ROOT,
-        env=environment(RAY_ADDRESS=address, RLGATE_ADMIN_KEY=key, RAY_AUTH_MODE="disabled"),
+        env=environment(RAY_ADDRESS=address, RAY_AUTH_MODE="disabled"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -181,7 +158,9 @@ def test_python_serve_app_joined_to_a_cluster_ends_what_it_made_and_nothing_else
     output = Output(process)
     try:
         output.wait_for(f"rlgate: serving tiny-random at {url} ", process)  # Serve's address, not --port's
-        assert wait_healthy(url, process)["status"] == "ok"
+        assert wait_healthy(url, process) == {"status": "ok", "workers": 1, "policy_version": 0}
+        key = re.search(r"admin key \(shown once.*?\): (\S+)", output.wait_for("admin key", process)).group(1)
+        assert len(key) >= 32
         assert httpx.get(f"{url}/rl/status", headers={"Authorization": f"Bearer {key}"}).status_code == 200
         assert is_alive("cli", "sessions") and is_alive("cli", "capacity")
     finally:
