@@ -55,6 +55,7 @@ class EnginePool:
         self._lock = asyncio.Lock()  # one join or leave at a time: a deploy or delete runs under it
         self._changed = asyncio.Condition()
         self._pruned_at = time.monotonic()
+        self._following: set[asyncio.Task] = set()  # one per joining: see _follow_lease
         restarted = ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
         if restarted and self.state_path.exists():  # Ray restarted this keeper: the pool and its runs go on
             state = json.loads(self.state_path.read_text())
@@ -94,7 +95,33 @@ class EnginePool:
                     raise PoolRefused(f"run {run!r} cannot share engine pool {self.pool!r}: it asks for {refusal}")
             self.runs[run] = tenant
             await self._changed_runs()
+            self._follow_lease(run, tenant["joined"])
             return self.spec
+
+    def _follow_lease(self, run: str, joined: str) -> None:
+        """Drop ``run`` (this joining of it) as soon as its lease ends: its driver's
+        process ended without leaving. (A restarted keeper finds such runs by looking:
+        :meth:`_prune`.)"""
+
+        async def follow() -> None:
+            try:
+                lease = await asyncio.to_thread(get_actor, run, LEASE)
+                await lease.held.remote()  # never answers: it fails when the lease ends
+            except (ray.exceptions.RayActorError, ValueError):  # gone now, or already
+                pass
+            except Exception:
+                logger.exception("following run %s's lease failed: it is looked at by pruning instead", run)
+                return
+            async with self._lock:
+                if self.runs.get(run, {}).get("joined") == joined:  # not left, nor joined again since
+                    logger.warning("run %s of engine pool %s ended without leaving: dropped", run, self.pool)
+                    try:
+                        await self._drop(run)
+                    except ray.exceptions.AsyncioActorExit:
+                        pass  # it was the pool's last run: the keeper is ending (raised for a call, not a task)
+
+        self._following.add(task := asyncio.create_task(follow()))
+        task.add_done_callback(self._following.discard)
 
     async def leave(self, run: str) -> None:
         """Stop serving ``run``; the last run to leave deletes the pool's application."""
@@ -150,10 +177,14 @@ class EnginePool:
 @ray.remote(num_cpus=0)
 class PoolLease:
     """A run's place in an engine pool: owned by the run's driver (not detached), so it
-    ends with the driver's process, and the keeper then drops the run."""
+    ends with the driver's process, and the keeper, waiting on :meth:`held`, then drops the run."""
 
-    def ready(self) -> bool:
+    async def ready(self) -> bool:
         return True
+
+    async def held(self) -> None:
+        """Never answers: the keeper's call fails when the lease ends."""
+        await asyncio.Event().wait()
 
 
 _leases: dict[str, object] = {}  # run -> its lease, held for as long as this process runs
