@@ -84,6 +84,8 @@ def main() -> int:
     key = gateway_key(config, private=args.job_manager is not None)  # a refused key fails the run before it starts
     run_dir = Path(config.gateway.run_dir, config.gateway.run_name).resolve()
     start = resume_point(run_dir, args.resume)
+    if args.resume and (again := RunLog.forget_after(run_dir, start.step)):  # stopped between checkpoints
+        print(f"rlgate: resuming after step {start.step}; steps {again[0]}-{again[-1]} are trained again", flush=True)
     if start.adapter is not None and config.training.lora is None:
         raise SystemExit(f"rlgate: {run_dir}'s checkpoints hold a LoRA adapter: resume it with its [training.lora]")
     if start.weights is not None and config.training.lora is not None:
@@ -100,8 +102,8 @@ def main() -> int:
     task_app = check_task_app(config, task_app_key(args.job_manager, config.gateway.run_name))
     # after ray.init, which sets its own SIGTERM: `ray job stop` acts as Ctrl-C. SIGINT too, which a shell
     # without job control hands its background commands ignored: `python train_driver.py ... &` then stops on it
-    for sign in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sign, interrupted)
+    signal.signal(signal.SIGINT, CTRL_C)
+    signal.signal(signal.SIGTERM, interrupted)  # at once: `ray job stop` kills the driver 3 s later
     gpus = trainer_gpus(config)
     wait_until_placeable(config, gpus, run_dir)
     end_earlier_application(app_name(config.gateway.run_name, config.gateway.route_prefix))
@@ -288,23 +290,24 @@ def train(
         records, advantages = score(batch, algorithm.advantage)  # group-relative advantages
         started = time.monotonic()
         step += 1
-        metrics = trainer.step(  # optimizer step(s) on the Ray Train workers
-            records,
-            advantages,
-            version,
-            normaliser(records, version, training.max_staleness, algorithm.aggregation),
-            save=save_due(step, training),
-            driver_state={"step": step, "buffer": buffer.state()},
-        )
-        version += 1
-        progress.step, progress.version = step, version  # trained (and perhaps saved), whatever comes next
-        synced = time.monotonic()
-        served(policy, version, config.rollout.replicas)  # every engine serves v + 1
-        surviving(lambda v=version: capacity.on_new_version.remote(v), "the new version")  # admit the next sessions
-        summary = summarise(records, metrics, version, training.max_staleness, buffer, started, synced)
-        summary["collect_s"] = started - waited
-        log.log(step, summary | evaluate_at(step), records)  # held-out seeds, every [evaluation] every_n_iters
-        log.batch(step, [r["seq"] for r in records])
+        with CTRL_C.held():  # a step saved is a step recorded
+            metrics = trainer.step(  # optimizer step(s) on the Ray Train workers
+                records,
+                advantages,
+                version,
+                normaliser(records, version, training.max_staleness, algorithm.aggregation),
+                save=save_due(step, training),
+                driver_state={"step": step, "buffer": buffer.state()},
+            )
+            version += 1
+            progress.step, progress.version = step, version  # trained (and perhaps saved), whatever comes next
+            synced = time.monotonic()
+            served(policy, version, config.rollout.replicas)  # every engine serves v + 1
+            surviving(lambda v=version: capacity.on_new_version.remote(v), "the new version")  # admit the next
+            summary = summarise(records, metrics, version, training.max_staleness, buffer, started, synced)
+            summary["collect_s"] = started - waited
+            log.log(step, summary | evaluate_at(step), records)  # held-out seeds, every [evaluation] every_n_iters
+            log.batch(step, [r["seq"] for r in records])
 
 
 def start_tracking(config: RLGateConfig, run_dir: Path, first_step: int, resumed: bool) -> Tracking:
@@ -355,6 +358,38 @@ def finish(config: RLGateConfig, log: RunLog, progress: Progress, started_serve:
 
 def interrupted(*_) -> None:
     raise KeyboardInterrupt
+
+
+class HeldCtrlC:
+    """Ctrl-C as KeyboardInterrupt, held back while a step is trained and recorded
+    (:meth:`held`): the workers may save the step's checkpoint however the driver
+    stops, and a resumed run continues from it, so the step's lines must reach the
+    run's log too. The first Ctrl-C there stops the run once the step is recorded;
+    a second stops it at once."""
+
+    def __init__(self) -> None:
+        self.holding = self.pending = False
+
+    def __call__(self, *_) -> None:
+        if self.holding and not self.pending:
+            self.pending = True
+            print("rlgate: stopping once the step under way is recorded (Ctrl-C again: now)", file=sys.stderr)
+            return
+        raise KeyboardInterrupt
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        self.holding, self.pending = True, False
+        try:
+            yield
+        finally:
+            self.holding = False
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+
+CTRL_C = HeldCtrlC()
 
 
 def served(policy, version: int, replicas: int) -> None:

@@ -6,6 +6,7 @@ and the trackers ``[logging]`` asks for (:mod:`rlgate.training.tracking`)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -55,6 +56,32 @@ class RunLog:
         """Which saved trajectories (by ``seq``) a step trained on: the audit trail."""
         with open(self.folder / "batches.jsonl", "a") as handle:
             handle.write(json.dumps({"step": step, "seqs": seqs}) + "\n")
+
+    @staticmethod
+    def forget_after(folder: Path, step: int) -> list[int]:
+        """Drop the lines of steps after ``step`` from the run's metrics.jsonl,
+        batches.jsonl and eval.jsonl: a run resumed from the checkpoint of ``step``
+        trains them again, and its log then has every step once. Returns the steps
+        dropped (a torn last line goes too)."""
+        dropped: set[int] = set()
+        for name in ("metrics.jsonl", "batches.jsonl", "eval.jsonl"):
+            path = folder / name
+            if not path.is_file():
+                continue
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    line_step = json.loads(line)["step"]
+                except (ValueError, KeyError, TypeError):
+                    continue  # torn by a stop mid-write
+                if line_step <= step:
+                    kept.append(line + "\n")
+                else:
+                    dropped.add(line_step)
+            temporary = path.with_suffix(".tmp")
+            temporary.write_text("".join(kept))
+            os.replace(temporary, path)
+        return sorted(dropped)
 
     def history(self) -> list[dict]:
         if not self.path.is_file():

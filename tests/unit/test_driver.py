@@ -76,3 +76,55 @@ def test_an_applications_state_names_each_deployment_its_replicas_and_serves_mes
         "Deployment 'RolloutServer' has 1 replica starting."
     )
     assert driver.app_state("other") == "the application is not there yet"
+
+
+def test_ctrl_c_while_a_step_is_trained_and_recorded_stops_the_run_once_it_is_recorded():
+    """A step the workers may have saved must reach the run's log: the first Ctrl-C
+    there waits for the step's end, a second stops at once, and outside a step it acts at once."""
+    import os
+    import signal
+
+    import pytest
+
+    ctrl_c = driver.HeldCtrlC()
+    before = signal.signal(signal.SIGINT, ctrl_c)
+    recorded = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with ctrl_c.held():
+                os.kill(os.getpid(), signal.SIGINT)
+                recorded.append("step 3")  # the handler returned: the step goes on to be recorded
+        assert recorded == ["step 3"]
+        with pytest.raises(KeyboardInterrupt):
+            with ctrl_c.held():
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)  # again: now
+                recorded.append("step 4")
+        assert recorded == ["step 3"]
+        with ctrl_c.held():  # nothing pending from before
+            recorded.append("step 5")
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # between steps: at once
+            for _ in range(100):  # (delivered at the next bytecode; a few for good measure)
+                pass
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert recorded == ["step 3", "step 5"]
+
+
+def test_a_resumed_runs_log_drops_the_steps_after_its_checkpoint(tmp_path):
+    """Stopped between checkpoints, a run trains the later steps again when resumed:
+    their lines go from metrics.jsonl, batches.jsonl and eval.jsonl (a torn one too)."""
+    import json
+
+    from rlgate.training.runlog import RunLog
+
+    for name in ("metrics.jsonl", "batches.jsonl"):
+        lines = [json.dumps({"step": step, "x": step}) for step in (1, 2, 3, 4)]
+        (tmp_path / name).write_text("\n".join(lines) + '\n{"step": 5, "x"')
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"step": 2}) + "\n" + json.dumps({"step": 4}) + "\n")
+    assert RunLog.forget_after(tmp_path, 2) == [3, 4]
+    for name in ("metrics.jsonl", "batches.jsonl"):
+        assert [json.loads(line)["step"] for line in (tmp_path / name).read_text().splitlines()] == [1, 2]
+    assert (tmp_path / "eval.jsonl").read_text() == json.dumps({"step": 2}) + "\n"
+    assert RunLog.forget_after(tmp_path, 2) == [] and RunLog.forget_after(tmp_path / "none", 2) == []
