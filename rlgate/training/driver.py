@@ -127,6 +127,8 @@ def main() -> int:
     stopping, stopped_by_hand = threading.Event(), False
     episodes = start_episodes(config, url, key.value, stopping, task_app, dataset, start.step)
     log = RunLog(run_dir, config.training.total_steps, start.step, tracking=tracking)
+    if start.lines is not None and (written := log.complete(start.step, *start.lines)):
+        print(f"rlgate: step {start.step} was saved but not logged (stopped meanwhile): {written} from its checkpoint")
     progress = Progress(start.step, start.version)
     evaluator = held_out_evaluation(config, url, key.value, task_app, dataset, run_dir)
     try:
@@ -290,6 +292,10 @@ def train(
         records, advantages = score(batch, algorithm.advantage)  # group-relative advantages
         started = time.monotonic()
         step += 1
+        # what the step's lines say of its batch, in its checkpoint too: a driver killed after the workers saved
+        # the step and before it wrote them, resumed, writes them from there (a Ctrl-C waits for them instead)
+        line = batch_line(records, version + 1, training.max_staleness, buffer) | {"collect_s": started - waited}
+        seqs = [r["seq"] for r in records]
         with CTRL_C.held():  # a step saved is a step recorded
             metrics = trainer.step(  # optimizer step(s) on the Ray Train workers
                 records,
@@ -297,17 +303,16 @@ def train(
                 version,
                 normaliser(records, version, training.max_staleness, algorithm.aggregation),
                 save=save_due(step, training),
-                driver_state={"step": step, "buffer": buffer.state()},
+                driver_state={"step": step, "buffer": buffer.state(), "line": line, "seqs": seqs},
             )
             version += 1
             progress.step, progress.version = step, version  # trained (and perhaps saved), whatever comes next
             synced = time.monotonic()
             served(policy, version, config.rollout.replicas)  # every engine serves v + 1
             surviving(lambda v=version: capacity.on_new_version.remote(v), "the new version")  # admit the next
-            summary = summarise(records, metrics, version, training.max_staleness, buffer, started, synced)
-            summary["collect_s"] = started - waited
+            summary = line | trained_line(metrics, time.monotonic() - started, time.monotonic() - synced)
             log.log(step, summary | evaluate_at(step), records)  # held-out seeds, every [evaluation] every_n_iters
-            log.batch(step, [r["seq"] for r in records])
+            log.batch(step, seqs)
 
 
 def start_tracking(config: RLGateConfig, run_dir: Path, first_step: int, resumed: bool) -> Tracking:
@@ -649,6 +654,7 @@ class ResumePoint:
     weights: Path | None = None
     first_command: int = 0
     adapter: Path | None = None
+    lines: tuple[dict, list[int]] | None = None  # the checkpoint's step's lines (:func:`saved_lines`)
 
 
 def resume_point(run_dir: Path, resume: bool) -> ResumePoint:
@@ -664,11 +670,13 @@ def resume_point(run_dir: Path, resume: bool) -> ResumePoint:
         raise SystemExit(f"rlgate: --resume, but {run_dir} has no checkpoint")
     folder, state = max(found.items(), key=lambda item: item[1]["next_command"])
     driver = state["driver"]
+    point = ResumePoint(driver["step"], state["version"], driver["buffer"], first_command=state["next_command"])
+    point.lines = saved_lines(state)
     if (folder / ADAPTER).is_dir():  # LoRA: the engines serve the base model with the checkpoint's adapter
-        return ResumePoint(
-            driver["step"], state["version"], driver["buffer"], None, state["next_command"], folder / ADAPTER
-        )
-    return ResumePoint(driver["step"], state["version"], driver["buffer"], folder / MODEL, state["next_command"])
+        point.adapter = folder / ADAPTER
+    else:
+        point.weights = folder / MODEL
+    return point
 
 
 def end_earlier_application(name: str) -> None:
@@ -733,12 +741,12 @@ def save_due(step: int, training) -> bool:
     return step == training.total_steps or bool(training.save_every and step % training.save_every == 0)
 
 
-def summarise(records, metrics, version, max_staleness, buffer, started, synced) -> dict:
-    """The step's line in metrics.jsonl; ``version`` is the one it made. Staleness is over
-    the tokens trained on: those past ``max_staleness`` were dropped (stale_tokens_dropped)."""
+def batch_line(records: list[dict], version: int, max_staleness: int, buffer: GroupBuffer) -> dict:
+    """What a step's line in metrics.jsonl says of its batch; ``version`` is the one the step
+    makes. Staleness is over the tokens trained on: those past ``max_staleness`` the trainer
+    drops (:func:`trained_line`'s stale_tokens_dropped)."""
     lags = ((version - 1) - v for r in records for m, v in zip(r["loss_mask"], r["versions"]) if m)
     sampled = [lag for lag in lags if lag <= max_staleness]
-    elapsed = time.monotonic() - started
     return {
         "version": version,
         "reward_mean": sum(r["reward"] for r in records) / len(records),
@@ -746,14 +754,30 @@ def summarise(records, metrics, version, max_staleness, buffer, started, synced)
         "records": len(records),  # their training sequences (a turn each with "individual" export)
         "dropped": buffer.counters.dropped,  # episodes dropped so far: equal rewards, partial, stale, failed groups
         "failed": buffer.counters.failed,  # episodes whose environment errored, so far
-        "stale_tokens_dropped": metrics["stale_tokens_dropped"],
         "staleness": sum(sampled) / max(1, len(sampled)),  # versions behind, mean and max over sampled tokens
         "staleness_max": max(sampled, default=0),
-        "tokens_per_s": metrics["trained_tokens"] / max(elapsed, 1e-9),
-        "step_s": elapsed,
-        "sync_s": time.monotonic() - synced,
-        **{f"train_{k}": v for k, v in metrics.items()},
     }
+
+
+def trained_line(metrics: dict, step_s: float | None = None, sync_s: float | None = None) -> dict:
+    """What a step's line in metrics.jsonl says of its training: the workers' ``metrics``,
+    and, when known, the step's time (from its batch to every engine serving the new
+    version) and the weight sync's part of it."""
+    line = {"stale_tokens_dropped": metrics["stale_tokens_dropped"]}
+    if step_s is not None:
+        line |= {"tokens_per_s": metrics["trained_tokens"] / max(step_s, 1e-9), "step_s": step_s, "sync_s": sync_s}
+    return line | {f"train_{k}": v for k, v in metrics.items()}
+
+
+def saved_lines(state: dict) -> tuple[dict, list[int]] | None:
+    """A checkpoint's step's lines in metrics.jsonl and batches.jsonl, from what the
+    checkpoint keeps: its batch's line and the workers' figures (rank 0's: the whole
+    batch's with one worker), marked ``recovered``, with no timings or held-out figures.
+    None for a checkpoint that keeps no line."""
+    driver = state.get("driver") or {}
+    if "line" not in driver or state.get("metrics") is None:
+        return None
+    return driver["line"] | trained_line(state["metrics"]) | {"recovered": True}, driver["seqs"]
 
 
 if __name__ == "__main__":

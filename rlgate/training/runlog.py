@@ -57,6 +57,24 @@ class RunLog:
         with open(self.folder / "batches.jsonl", "a") as handle:
             handle.write(json.dumps({"step": step, "seqs": seqs}) + "\n")
 
+    def complete(self, step: int, line: dict, seqs: list[int]) -> str:
+        """Write ``step``'s line in metrics.jsonl (and to the dashboard and trackers) and in
+        batches.jsonl where the run's log lacks it: a driver killed after the workers saved
+        the step's checkpoint, before it wrote them. Says what it wrote ("" for nothing)."""
+        written = []
+        if step not in self.steps("metrics.jsonl"):
+            self.log(step, line)
+            written.append("metrics.jsonl")
+        if step not in self.steps("batches.jsonl"):
+            self.batch(step, seqs)
+            written.append("batches.jsonl")
+        return "the line in " + " and ".join(written) if written else ""
+
+    def steps(self, name: str) -> set[int]:
+        """The steps with a line in the run's file ``name``."""
+        path = self.folder / name
+        return {json.loads(line)["step"] for line in path.read_text().splitlines()} if path.is_file() else set()
+
     @staticmethod
     def forget_after(folder: Path, step: int) -> list[int]:
         """Drop the lines of steps after ``step`` from the run's metrics.jsonl,

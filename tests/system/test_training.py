@@ -191,6 +191,8 @@ def test_a_run_survives_a_killed_worker_and_ctrl_c_then_resumes_from_its_checkpo
 
     import psutil
 
+    from rlgate.training.driver import saved_lines
+
     more = "[logging]\ntensorboard = true\nsamples_per_step = 2\n"
     more += '[compute]\ntrainer_workers = 2\ncpus_per_worker = 0.5\nstrategy = "fsdp"\n'
     more += "[evaluation]\nevery_n_iters = 1\nseeds = [0, 1]\nn = 2\npass_threshold = 0.4\n"
@@ -307,6 +309,15 @@ def test_a_run_survives_a_killed_worker_and_ctrl_c_then_resumes_from_its_checkpo
     states = {p.parent: json.loads(p.read_text()) for p in run.glob("trainer/step-*/trainer_state.json")}
     latest = max(states, key=lambda p: states[p]["next_command"])
     assert states[latest]["version"] == 4
+    # each holds its step's lines as the driver wrote them (its training figures are rank 0's): a driver killed
+    # after the workers saved a step, before it wrote them, writes them from there when resumed
+    logged, batches = {m["step"]: m for m in metrics}, {b["step"]: b["seqs"] for b in lines(run / "batches.jsonl")}
+    for state in states.values():
+        line, seqs = saved_lines(state)
+        step = state["driver"]["step"]
+        assert seqs == batches[step] and line["version"] == state["version"] == step and line["recovered"]
+        shared = {k for k in line if not k.startswith("train_")} - {"recovered", "stale_tokens_dropped"}
+        assert all(logged[step][k] == line[k] for k in shared), (logged[step], line)
     trained = load_file(latest / "model" / "model.safetensors")
     start = load_file(prepare_model("tiny-random") / "model.safetensors")
     assert trained.keys() == start.keys() and any(not torch.equal(trained[k], start[k]) for k in start)

@@ -128,3 +128,49 @@ def test_a_resumed_runs_log_drops_the_steps_after_its_checkpoint(tmp_path):
         assert [json.loads(line)["step"] for line in (tmp_path / name).read_text().splitlines()] == [1, 2]
     assert (tmp_path / "eval.jsonl").read_text() == json.dumps({"step": 2}) + "\n"
     assert RunLog.forget_after(tmp_path, 2) == [] and RunLog.forget_after(tmp_path / "none", 2) == []
+
+
+def test_a_step_saved_but_not_logged_is_logged_from_its_checkpoint_when_resumed(tmp_path):
+    """A driver killed after the workers saved step 3's checkpoint, before it wrote the
+    step's lines: the resumed run writes them from the checkpoint, marked recovered,
+    and only where they are missing."""
+    import json
+
+    from rlgate.run import STATE_FILE, checkpoint_name, checkpoints_dir
+    from rlgate.training.runlog import RunLog
+
+    run = tmp_path / "run"
+    folder = checkpoints_dir(run) / checkpoint_name(3)
+    (folder / "model").mkdir(parents=True)
+    line = {"version": 3, "reward_mean": 0.25, "samples": 8, "collect_s": 1.5}
+    metrics = {"stale_tokens_dropped": 0, "trained_tokens": 96, "loss": -0.125}  # as rank 0 reported them
+    state = {"step": 3, "buffer": {"watermark": 24}, "line": line, "seqs": [17, 18]}
+    (folder / STATE_FILE).write_text(json.dumps({"next_command": 3, "version": 3, "driver": state, "metrics": metrics}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "version": s}) + "\n" for s in (1, 2)))
+    (run / "batches.jsonl").write_text("".join(json.dumps({"step": s, "seqs": [s]}) + "\n" for s in (1, 2, 3)))
+
+    start = driver.resume_point(run, resume=True)
+    assert (start.step, start.version, start.weights) == (3, 3, folder / "model")
+    log = RunLog(run, total_steps=5, first_step=start.step, show=False)
+    try:
+        assert log.complete(start.step, *start.lines) == "the line in metrics.jsonl"  # batches.jsonl had it
+        assert log.complete(start.step, *start.lines) == ""  # once
+    finally:
+        log.close()
+    written = [json.loads(text) for text in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in written] == [1, 2, 3]
+    assert written[2] | {"time": 0} == {
+        "step": 3,
+        "time": 0,
+        **line,
+        "stale_tokens_dropped": 0,
+        "train_stale_tokens_dropped": 0,
+        "train_trained_tokens": 96,
+        "train_loss": -0.125,
+        "recovered": True,
+    }
+    assert [json.loads(text)["seqs"] for text in (run / "batches.jsonl").read_text().splitlines()] == [[1], [2], [3]]
+    # a checkpoint saved before checkpoints kept their step's lines: nothing to write from
+    state.pop("line")
+    (folder / STATE_FILE).write_text(json.dumps({"next_command": 3, "version": 3, "driver": state, "metrics": metrics}))
+    assert driver.resume_point(run, resume=True).lines is None

@@ -186,14 +186,13 @@ def test_a_steps_staleness_is_over_the_tokens_it_trained_on():
     """A session spanning more versions than the bound keeps its newer tokens; its
     older ones are dropped by the trainer, and staleness_max counted them anyway
     (above max_staleness, which the operating guide says it never is)."""
-    import time
     from types import SimpleNamespace
 
-    from rlgate.training.driver import summarise
+    from rlgate.training.driver import batch_line, trained_line
 
     record = {"loss_mask": [0, 1, 1, 1], "versions": [-1, 2, 5, 6], "reward": 1.0, "session_id": "s"}
     metrics = {"stale_tokens_dropped": 1, "trained_tokens": 2}
     buffer = SimpleNamespace(counters=SimpleNamespace(dropped=0, failed=0))
-    now = time.monotonic()
-    line = summarise([record], metrics, 8, 2, buffer, now, now)  # trained as version 7, bound 2: version 2 is stale
+    # trained as version 7, bound 2: version 2 is stale
+    line = batch_line([record], 8, 2, buffer) | trained_line(metrics)
     assert line["staleness_max"] == 2 and line["staleness"] == 1.5 and line["stale_tokens_dropped"] == 1
