@@ -35,7 +35,7 @@ from ray import serve
 
 from rlgate.actors.policy_store import PolicyFollower
 from rlgate.background import to_its_end
-from rlgate.rollout.pool import LEASE, PoolRefused, PoolSpec, TenantInfo, pool_name
+from rlgate.rollout.pool import LEASE, KeeperEnding, PoolRefused, PoolSpec, TenantInfo, pool_name
 from rlgate.run import NAMESPACE, actor_name, get_actor, is_alive
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class EnginePool:
         self._changed = asyncio.Condition()
         self._pruned_at = time.monotonic()
         self._following: set[asyncio.Task] = set()  # one per joining: see _follow_lease
+        self._ending = False  # the pool is deleted and this keeper ends once its running calls have
         restarted = ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
         if restarted and self.state_path.exists():  # Ray restarted this keeper: the pool and its runs go on
             state = json.loads(self.state_path.read_text())
@@ -82,6 +83,8 @@ class EnginePool:
         is not running (``spec`` then becomes the pool's). Returns the pool's spec;
         raises :class:`PoolRefused` when ``spec`` asks for other engines."""
         async with self._lock:
+            if self._ending:  # a join that waited on the last run's leave: join_pool makes a new keeper
+                raise KeeperEnding(f"engine pool {self.pool}'s keeper is ending with the pool")
             if self.spec is not None and not await asyncio.to_thread(self._running):
                 self.spec, self.runs = None, {}  # deleted by hand (serve.delete, serve shutdown)
             if self.spec is None:
@@ -104,21 +107,22 @@ class EnginePool:
         :meth:`_prune`.)"""
 
         async def follow() -> None:
-            try:
-                lease = await asyncio.to_thread(get_actor, run, LEASE)
-                await lease.held.remote()  # never answers: it fails when the lease ends
-            except (ray.exceptions.RayActorError, ValueError):  # gone now, or already
-                pass
-            except Exception:
-                logger.exception("following run %s's lease failed: it is looked at by pruning instead", run)
-                return
+            while True:
+                try:
+                    lease = await asyncio.to_thread(get_actor, run, LEASE)
+                    await lease.held.remote()  # never answers: it fails when the lease ends
+                except ray.exceptions.ActorUnavailableError:  # out of reach for now (its node's network)
+                    await asyncio.sleep(1.0)
+                    continue
+                except (ray.exceptions.RayActorError, ValueError):  # gone now, or already
+                    break
+                except Exception:
+                    logger.exception("following run %s's lease failed: it is looked at by pruning instead", run)
+                    return
             async with self._lock:
                 if self.runs.get(run, {}).get("joined") == joined:  # not left, nor joined again since
                     logger.warning("run %s of engine pool %s ended without leaving: dropped", run, self.pool)
-                    try:
-                        await self._drop(run)
-                    except ray.exceptions.AsyncioActorExit:
-                        pass  # it was the pool's last run: the keeper is ending (raised for a call, not a task)
+                    await self._drop(run)
 
         self._following.add(task := asyncio.create_task(follow()))
         task.add_done_callback(self._following.discard)
@@ -135,12 +139,13 @@ class EnginePool:
             logger.info("engine pool %s has no runs left: deleting it", self.pool)
             await asyncio.to_thread(serve.delete, self.name)  # its replicas are gone when this returns
             self.spec = None
-            # and the keeper with it (else it idles for good, a process at ~1 % of a core). Its long polls
-            # are answered first: Ray ends an actor once its running calls have, and the gone replicas'
-            # last polls would hold it up to their 30 s. A join queued meanwhile fails: join_pool makes a
-            # new keeper.
+            # and the keeper with it (else it idles for good, a process at ~1 % of a core): killed, not
+            # exit_actor(), which waits for the calls under way, and a join waiting here for the lock then never
+            # returned. Those calls fail (a join: join_pool makes a new keeper), as does one that takes the lock
+            # before the kill lands. Its long polls are answered first.
+            self._ending = True
             await self._changed_runs()
-            ray.actor.exit_actor()
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     async def tenants(
         self, known: tuple[str, int] | None = None, timeout_s: float = 30.0
@@ -151,7 +156,7 @@ class EnginePool:
             return (self.epoch, self.generation) != known
 
         async with self._changed:
-            if not changed() and timeout_s > 0:
+            if not changed() and timeout_s > 0 and not self._ending:
                 try:
                     await asyncio.wait_for(self._changed.wait_for(changed), timeout_s)
                 except TimeoutError:
@@ -214,13 +219,14 @@ def join_pool(config, spec: PoolSpec, tenant: TenantInfo, app, state_path: str) 
         except ray.exceptions.RayTaskError as err:
             if isinstance(err.cause, PoolRefused):
                 raise err.cause from None
-            raise
+            if not isinstance(err.cause, KeeperEnding) or time.monotonic() > deadline:
+                raise
         except ray.exceptions.RayActorError:
             # the keeper ended with the pool's last run (its name is freed, then made again), or it is
             # restarting after a crash: join again (a join only sets this run's entry)
             if time.monotonic() > deadline:
                 raise
-            time.sleep(0.2)
+        time.sleep(0.2)
 
 
 def leave_pool(pool: str, run: str) -> None:

@@ -79,3 +79,7 @@ class TenantInfo:
 
 class PoolRefused(ValueError):
     """A run that cannot join a pool (its engines differ from what the run asks for)."""
+
+
+class KeeperEnding(RuntimeError):
+    """A join that reached a pool's keeper as it ends with the pool: join again (a new keeper)."""

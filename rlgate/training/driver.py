@@ -84,8 +84,6 @@ def main() -> int:
     key = gateway_key(config, private=args.job_manager is not None)  # a refused key fails the run before it starts
     run_dir = Path(config.gateway.run_dir, config.gateway.run_name).resolve()
     start = resume_point(run_dir, args.resume)
-    if args.resume and (again := RunLog.forget_after(run_dir, start.step)):  # stopped between checkpoints
-        print(f"rlgate: resuming after step {start.step}; steps {again[0]}-{again[-1]} are trained again", flush=True)
     if start.adapter is not None and config.training.lora is None:
         raise SystemExit(f"rlgate: {run_dir}'s checkpoints hold a LoRA adapter: resume it with its [training.lora]")
     if start.weights is not None and config.training.lora is not None:
@@ -126,6 +124,9 @@ def main() -> int:
     admit_under_the_rule(config, start.version, buffer.counters)  # before any episode starts
     stopping, stopped_by_hand = threading.Event(), False
     episodes = start_episodes(config, url, key.value, stopping, task_app, dataset, start.step)
+    # the log as of the checkpoint (now the run is under way: a resumption refused before this keeps it whole)
+    if args.resume and (again := RunLog.forget_after(run_dir, start.step)):  # stopped between checkpoints
+        print(f"rlgate: resuming after step {start.step}; steps {again[0]}-{again[-1]} are trained again", flush=True)
     log = RunLog(run_dir, config.training.total_steps, start.step, tracking=tracking)
     if start.lines is not None and (written := log.complete(start.step, *start.lines)):
         print(f"rlgate: step {start.step} was saved but not logged (stopped meanwhile): {written} from its checkpoint")
@@ -347,18 +348,18 @@ def admit_under_the_rule(config: RLGateConfig, version: int, backlog: Counters |
 
 
 def finish(config: RLGateConfig, log: RunLog, progress: Progress, started_serve: bool) -> None:
-    """The log closed, the curve drawn, the run's application deleted (and Serve,
-    when this run started it and nothing else is served), then its detached actors
-    ended, as a JobManager ends a job's: on a cluster that keeps running, each would
-    otherwise idle there for good (a process, ~1 % of a core). Its files stay: a
-    resumed run reopens the sessions its journal holds."""
+    """The log closed, the run's application deleted (and Serve, when this run
+    started it and nothing else is served), its detached actors ended, as a
+    JobManager ends a job's (on a cluster that keeps running, each would otherwise
+    idle there for good, a process at ~1 % of a core), then the curve drawn. Its
+    files stay: a resumed run reopens the sessions its journal holds."""
     log.close()
+    end_served(config, started_serve)  # first: `ray job stop` gives a driver 3 s before it kills it
     plot = log.plot()
     print(
         f"rlgate: {progress.step} steps, policy version {progress.version}; metrics in {log.path}"
         + (f", reward curve {plot}" if plot else "")
     )
-    end_served(config, started_serve)
 
 
 def interrupted(*_) -> None:

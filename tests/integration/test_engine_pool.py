@@ -4,12 +4,14 @@ from that run's own PolicyStore, one run that cannot be served yet keeps no
 other from it, a run started again under its name replaces the old one, a run
 whose driver is gone (its lease) is dropped at once, a run asking for other
 engines is refused with the reason, and the last run to go (leaving, or its
-driver gone) deletes the pool and ends its keeper (a later run makes both anew).
+driver gone) deletes the pool and ends its keeper (a later run makes both anew, also
+one whose join met the keeper as it ended).
 The engine is a small fake (the real one's tenants: test_lora_engine.py; the
 whole of it: tests/system/test_training.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -121,7 +123,20 @@ async def test_a_pool_serves_each_run_from_its_own_store_until_it_leaves_or_its_
     policy_store("pd")
     assert join("pd", rank=16).lora_rank == 16  # a later run makes the pool, and a keeper, anew: its own spec
     assert f"{PREFIX}{POOL}" in serve.status().applications and keeper_alive()
-    ray_session.kill(_leases.pop("pd"))  # its driver dies without leaving: the pool and keeper go all the same
+
+    # pd, the pool's last run, leaves while pe joins: pe's join waits for the leave, then meets a keeper ending
+    # with the pool (a pool it deployed there would have no keeper), and joins a new pool and keeper instead
+    policy_store("pe")
+    keeper = ray_session.get_actor(f"{PREFIX}{POOL}", namespace=NAMESPACE)
+    leaving = keeper.leave.remote("pd")  # (a caller's calls start in order: the join below waits on this one)
+    assert join("pe").lora_rank == 8  # pd's pool would have been of rank 16
+    with contextlib.suppress(ray_session.exceptions.RayActorError):
+        ray_session.get(leaving)  # the keeper it reached ended
+    status = ray_session.get(ray_session.get_actor(f"{PREFIX}{POOL}", namespace=NAMESPACE).status.remote())
+    assert set(status["runs"]) == {"pe"} and f"{PREFIX}{POOL}" in serve.status().applications
+
+    ray_session.kill(_leases.pop("pe"))  # its driver dies without leaving: the pool and keeper go all the same
     assert keeper_ended() and f"{PREFIX}{POOL}" not in serve.status().applications  # (deleted, then it ends)
-    for run in ("pa", "pb", "pd"):
+    ray_session.kill(_leases.pop("pd"))  # (it left by the keeper's call, not leave_pool)
+    for run in ("pa", "pb", "pd", "pe"):
         ray_session.kill(ray_session.get_actor(actor_name(run, "policy"), namespace=NAMESPACE))
