@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -78,7 +78,14 @@ from rlgate.training.tracking import Tracking
 
 
 def main() -> int:
-    args = parse_args()
+    try:
+        return run(parse_args())
+    except KeyboardInterrupt:  # while the run started (the steps' loop has its own): what it started is ended
+        print("rlgate: interrupted", file=sys.stderr)
+        return 130
+
+
+def run(args: argparse.Namespace) -> int:
     config = configured(args)
     dataset = load_dataset_task(config)  # a bad dataset or reward function fails the run before anything starts
     key = gateway_key(config, private=args.job_manager is not None)  # a refused key fails the run before it starts
@@ -116,43 +123,41 @@ def main() -> int:
     if start.buffer is None:  # a fresh run trains on episodes that finish from now on, the first included
         start.buffer = {"watermark": backlog_end, "done_above": []}
     serving = start_serve(config, start.version)
-    # Ray Train's workers start while the engines do: nothing joins them before the first step
-    trainer = start_trainer(config, gpus, run_dir, start)
-    url = deploy_gateway(config, serving, start.version, key)
-    buffer = group_buffer(config, start.buffer, backlog_end, start.version, reopened)
-    read_backlog(buffer, get_actor(config.gateway.run_name, "trajectories"))  # the stopped run's groups it trains
-    admit_under_the_rule(config, start.version, buffer.counters)  # before any episode starts
-    stopping, stopped_by_hand = threading.Event(), False
-    episodes = start_episodes(config, url, key.value, stopping, task_app, dataset, start.step)
-    # the log as of the checkpoint (now the run is under way: a resumption refused before this keeps it whole)
-    if args.resume and (again := RunLog.forget_after(run_dir, start.step)):  # stopped between checkpoints
-        print(f"rlgate: resuming after step {start.step}; steps {again[0]}-{again[-1]} are trained again", flush=True)
-    log = RunLog(run_dir, config.training.total_steps, start.step, tracking=tracking)
-    if start.lines is not None and (written := log.complete(start.step, *start.lines)):
-        print(f"rlgate: step {start.step} was saved but not logged (stopped meanwhile): {written} from its checkpoint")
-    progress = Progress(start.step, start.version)
-    evaluator = held_out_evaluation(config, url, key.value, task_app, dataset, run_dir)
-    try:
-        train(
-            config,
-            buffer,
-            progress,
-            trainer,
-            stopping,
-            log,
-            evaluator.at,
-        )
-    except KeyboardInterrupt:
-        stopped_by_hand = True
-        print("rlgate: interrupted; writing the reward curve", file=sys.stderr)
-    finally:
-        stopping.set()
-        # the evaluation under way, if any, still reaches eval.jsonl (not waited for after Ctrl-C)
-        evaluator.wait(0 if stopped_by_hand else EVAL_WAIT_S)
+    with ExitStack() as ending:  # however the run stops from here, while it starts too: undone in reverse
+        ending.callback(end_served, config, serving.started)  # what it served, last (see finish)
+        # Ray Train's workers start while the engines do: nothing joins them before the first step
+        trainer = start_trainer(config, gpus, run_dir, start)
+        ending.callback(trainer.stop)
+        url = deploy_gateway(config, serving, start.version, key)
+        buffer = group_buffer(config, start.buffer, backlog_end, start.version, reopened)
+        read_backlog(buffer, get_actor(config.gateway.run_name, "trajectories"))  # the stopped run's groups
+        admit_under_the_rule(config, start.version, buffer.counters)  # before any episode starts
+        stopping, stopped_by_hand = threading.Event(), False
+        episodes = start_episodes(config, url, key.value, stopping, task_app, dataset, start.step)
         if episodes is not None:
-            episodes.stop()
-        trainer.stop()
-        finish(config, log, progress, serving.started)
+            ending.callback(episodes.stop)
+        # the log as of the checkpoint (now the run is under way: a resumption refused before this keeps it whole)
+        if args.resume and (again := RunLog.forget_after(run_dir, start.step)):  # stopped between checkpoints
+            print(
+                f"rlgate: resuming after step {start.step}; steps {again[0]}-{again[-1]} are trained again", flush=True
+            )
+        log = RunLog(run_dir, config.training.total_steps, start.step, tracking=tracking)
+        if start.lines is not None and (written := log.complete(start.step, *start.lines)):
+            print(
+                f"rlgate: step {start.step}'s line in {' and '.join(written)} written from its checkpoint", flush=True
+            )
+        progress = Progress(start.step, start.version)
+        evaluator = held_out_evaluation(config, url, key.value, task_app, dataset, run_dir)
+        try:
+            train(config, buffer, progress, trainer, stopping, log, evaluator.at)
+        except KeyboardInterrupt:
+            stopped_by_hand = True
+            print("rlgate: interrupted; writing the reward curve", file=sys.stderr)
+        finally:
+            stopping.set()
+            # the evaluation under way, if any, still reaches eval.jsonl (not waited for after Ctrl-C)
+            evaluator.wait(0 if stopped_by_hand else EVAL_WAIT_S)
+            finish(log, progress)
     if episodes is not None and episodes.stats.fatal is not None:
         print(f"rlgate: stopped: the environment is down: {episodes.stats.fatal}", file=sys.stderr)
         return 1
@@ -347,14 +352,14 @@ def admit_under_the_rule(config: RLGateConfig, version: int, backlog: Counters |
     surviving(lambda: capacity.grant.remote(*rule, *counted), "the staleness rule")
 
 
-def finish(config: RLGateConfig, log: RunLog, progress: Progress, started_serve: bool) -> None:
-    """The log closed, the run's application deleted (and Serve, when this run
-    started it and nothing else is served), its detached actors ended, as a
-    JobManager ends a job's (on a cluster that keeps running, each would otherwise
-    idle there for good, a process at ~1 % of a core), then the curve drawn. Its
-    files stay: a resumed run reopens the sessions its journal holds."""
+def finish(log: RunLog, progress: Progress) -> None:
+    """The log closed and the curve drawn. Then, as the run's ExitStack unwinds, the
+    episodes and the trainer stop, and what the run served goes: its application (and
+    Serve, when this run started it and nothing else is served) and its detached actors,
+    ended as a JobManager ends a job's (on a cluster that keeps running, each would
+    otherwise idle there for good, a process at ~1 % of a core). Its files stay: a
+    resumed run reopens the sessions its journal holds."""
     log.close()
-    end_served(config, started_serve)  # first: `ray job stop` gives a driver 3 s before it kills it
     plot = log.plot()
     print(
         f"rlgate: {progress.step} steps, policy version {progress.version}; metrics in {log.path}"

@@ -57,10 +57,10 @@ class RunLog:
         with open(self.folder / "batches.jsonl", "a") as handle:
             handle.write(json.dumps({"step": step, "seqs": seqs}) + "\n")
 
-    def complete(self, step: int, line: dict, seqs: list[int]) -> str:
+    def complete(self, step: int, line: dict, seqs: list[int]) -> list[str]:
         """Write ``step``'s line in metrics.jsonl (and to the dashboard and trackers) and in
         batches.jsonl where the run's log lacks it: a driver killed after the workers saved
-        the step's checkpoint, before it wrote them. Says what it wrote ("" for nothing)."""
+        the step's checkpoint, before it wrote them. Returns the files it wrote to."""
         written = []
         if step not in self.steps("metrics.jsonl"):
             self.log(step, line)
@@ -68,7 +68,7 @@ class RunLog:
         if step not in self.steps("batches.jsonl"):
             self.batch(step, seqs)
             written.append("batches.jsonl")
-        return "the line in " + " and ".join(written) if written else ""
+        return written
 
     def steps(self, name: str) -> set[int]:
         """The steps with a line in the run's file ``name``."""

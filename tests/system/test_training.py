@@ -538,6 +538,38 @@ def test_a_task_app_that_stays_down_stops_the_run_with_its_reason(tmp_path, join
     assert "the environment is down: every episode for" in result.stderr
     assert "POST /rollout: 500 Internal Server Error (application/json" in result.stderr
     assert "database unreachable" not in result.stderr  # the task app's answer is not repeated (its log has it)
+    assert_left_nothing("taskapp")
+
+
+def test_ctrl_c_while_the_run_starts_ends_what_it_had_started(tmp_path, joined):
+    """Ctrl-C while the run's gateway deploys (its application listed, its engine starting): the
+    driver ends its application and its actors, as a finished run does (they stayed for good)."""
+    import signal
+
+    from ray import serve
+
+    from rlgate.sdk.taskapp import create_task_app
+    from tests.support import serve_asgi
+
+    async def unused(episode):
+        raise AssertionError("the run never reaches its episodes")
+
+    with serve_asgi(create_task_app("math", unused, api_key="")) as url:
+        driver = start_driver(task_app_config(tmp_path, url, joined), env=joined.env)
+        try:
+            deadline = time.monotonic() + 300
+            while app_name("taskapp", "/taskapp") not in serve.status().applications:
+                assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()[0][-3000:]
+                time.sleep(0.1)
+            driver.send_signal(signal.SIGINT)
+            output, _ = driver.communicate(timeout=300)
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+                driver.wait()
+    # (the deploy takes seconds, so the Ctrl-C lands in it; were it done, the run would end as interrupted, the same)
+    assert driver.returncode in (130, 0) and "rlgate: interrupted" in output, output[-3000:]
+    assert_left_nothing("taskapp")
 
 
 def test_a_task_app_the_config_does_not_allow_is_never_called(tmp_path, joined):

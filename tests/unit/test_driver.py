@@ -153,8 +153,8 @@ def test_a_step_saved_but_not_logged_is_logged_from_its_checkpoint_when_resumed(
     assert (start.step, start.version, start.weights) == (3, 3, folder / "model")
     log = RunLog(run, total_steps=5, first_step=start.step, show=False)
     try:
-        assert log.complete(start.step, *start.lines) == "the line in metrics.jsonl"  # batches.jsonl had it
-        assert log.complete(start.step, *start.lines) == ""  # once
+        assert log.complete(start.step, *start.lines) == ["metrics.jsonl"]  # batches.jsonl had it
+        assert log.complete(start.step, *start.lines) == []  # once
     finally:
         log.close()
     written = [json.loads(text) for text in (run / "metrics.jsonl").read_text().splitlines()]
