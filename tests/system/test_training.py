@@ -172,6 +172,19 @@ def start_driver(path: Path, admin_key: str = "train-test-admin-key-0123", env: 
     )
 
 
+def ctrl_c_once(driver: subprocess.Popen, ready, what: str, timeout_s: float = 300) -> str:
+    """Ctrl-C (SIGINT) ``driver`` as soon as ``ready()`` holds (failing if ``what`` does not come
+    in ``timeout_s``, or the driver ends first); its output once it has ended."""
+    import signal
+
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert driver.poll() is None and time.monotonic() < deadline, f"{what} never came"
+        time.sleep(0.1)
+    driver.send_signal(signal.SIGINT)
+    return driver.communicate(timeout=300)[0]
+
+
 @pytest.mark.long
 @pytest.mark.timeout(1500)
 def test_a_run_survives_a_killed_worker_and_ctrl_c_then_resumes_from_its_checkpoint(tmp_path, joined):
@@ -250,12 +263,13 @@ def test_a_run_survives_a_killed_worker_and_ctrl_c_then_resumes_from_its_checkpo
         assert not first & {w.pid for w in workers()}  # a new group of workers trained step 2
         # stopped with a group sampled at version 2 saved whole: the resumed run trains it at version 2,
         # counted against its staleness budget, so it admits only what that batch still needs
-        deadline = time.monotonic() + 300
-        while not (carried := whole_group_sampled_at(2)) and steps() < 3:
-            assert driver.poll() is None and time.monotonic() < deadline, "no group finished at version 2"
-            time.sleep(0.1)
-        driver.send_signal(signal.SIGINT)
-        output, _ = driver.communicate(timeout=300)
+        carried: list[int] = []
+
+        def carried_or_step_3() -> bool:
+            carried[:] = whole_group_sampled_at(2)
+            return bool(carried) or steps() >= 3
+
+        output = ctrl_c_once(driver, carried_or_step_3, "a group finished at version 2")
     finally:
         if driver.poll() is None:
             driver.kill()
@@ -544,8 +558,6 @@ def test_a_task_app_that_stays_down_stops_the_run_with_its_reason(tmp_path, join
 def test_ctrl_c_while_the_run_starts_ends_what_it_had_started(tmp_path, joined):
     """Ctrl-C while the run's gateway deploys (its application listed, its engine starting): the
     driver ends its application and its actors, as a finished run does (they stayed for good)."""
-    import signal
-
     from ray import serve
 
     from rlgate.sdk.taskapp import create_task_app
@@ -557,12 +569,9 @@ def test_ctrl_c_while_the_run_starts_ends_what_it_had_started(tmp_path, joined):
     with serve_asgi(create_task_app("math", unused, api_key="")) as url:
         driver = start_driver(task_app_config(tmp_path, url, joined), env=joined.env)
         try:
-            deadline = time.monotonic() + 300
-            while app_name("taskapp", "/taskapp") not in serve.status().applications:
-                assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()[0][-3000:]
-                time.sleep(0.1)
-            driver.send_signal(signal.SIGINT)
-            output, _ = driver.communicate(timeout=300)
+            output = ctrl_c_once(
+                driver, lambda: app_name("taskapp", "/taskapp") in serve.status().applications, "a deploy"
+            )
         finally:
             if driver.poll() is None:
                 driver.kill()
