@@ -56,7 +56,7 @@ class EnginePool:
         self._changed = asyncio.Condition()
         self._pruned_at = time.monotonic()
         self._following: set[asyncio.Task] = set()  # one per joining: see _follow_lease
-        self._ending = False  # the pool is deleted and this keeper ends once its running calls have
+        self._ending = False  # the pool is deleted and this keeper is ending: joins are refused (see _drop)
         restarted = ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
         if restarted and self.state_path.exists():  # Ray restarted this keeper: the pool and its runs go on
             state = json.loads(self.state_path.read_text())
