@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         start.buffer = {"watermark": backlog_end, "done_above": []}
     serving = start_serve(config, start.version)
     with ExitStack() as ending:  # however the run stops from here, while it starts too: undone in reverse
-        ending.callback(end_served, config, serving.started)  # what it served, last (see finish)
+        ending.callback(end_served, config, serving.started)  # what it served, last
         # Ray Train's workers start while the engines do: nothing joins them before the first step
         trainer = start_trainer(config, gpus, run_dir, start)
         ending.callback(trainer.stop)
@@ -353,12 +353,8 @@ def admit_under_the_rule(config: RLGateConfig, version: int, backlog: Counters |
 
 
 def finish(log: RunLog, progress: Progress) -> None:
-    """The log closed and the curve drawn. Then, as the run's ExitStack unwinds, the
-    episodes and the trainer stop, and what the run served goes: its application (and
-    Serve, when this run started it and nothing else is served) and its detached actors,
-    ended as a JobManager ends a job's (on a cluster that keeps running, each would
-    otherwise idle there for good, a process at ~1 % of a core). Its files stay: a
-    resumed run reopens the sessions its journal holds."""
+    """The log closed and the curve drawn (then :func:`run`'s ExitStack stops the episodes
+    and the trainer and ends what the run served: :func:`end_served`)."""
     log.close()
     plot = log.plot()
     print(
