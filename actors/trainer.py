@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 import torch
@@ -48,6 +49,9 @@ from rlgate.training import strategy
 from rlgate.training.grpo import LossConfig
 from rlgate.training.loop import surviving
 from rlgate.training.policy_step import PolicyTrainer, StepSettings, across_ranks, collate, shard
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 
 def step_settings(settings: RLGateConfig) -> StepSettings:
@@ -243,18 +247,17 @@ class TrainerWorkers:
     def __init__(
         self,
         setup: dict,
+        channel: ActorHandle,
         workers: int,
         resources_per_worker: dict[str, float],
         storage: Path,
-        first_command: int = 0,
         max_failures: int = 3,
     ) -> None:
+        """``channel``: the run's TrainChannel (named ``setup["channel"]``), made by the driver."""
         from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
 
-        from rlgate.actors.train_channel import TrainChannel
-
-        self.channel = TrainChannel.options(name=setup["channel"], namespace=NAMESPACE).remote(first_command)
+        self.channel = channel
         self.workers = workers
         self._trainer = TorchTrainer(
             train_worker,

@@ -41,7 +41,7 @@ def run_chat(config_path: str, max_tokens: int = 64) -> int:
     from rich.text import Text
 
     from rlgate.config import load_config
-    from rlgate.serving.app import build_app, end_served, resolve_model
+    from rlgate.serving.app import build_app, end_served, refuse_taken, resolve_model
     from rlgate.serving.routing import serve_start_options
     from rlgate.sessions.manager import hash_key
 
@@ -55,6 +55,7 @@ def run_chat(config_path: str, max_tokens: int = 64) -> int:
     with console.status(f"Starting Ray, a {config.rollout.engine} rollout engine and the gateway (about 30 s on CPU)"):
         ray.init(include_dashboard=False, log_to_driver=False)  # joins a cluster `ray start` left running here
         running = _get_global_client(raise_if_no_controller_running=False)
+        refuse_taken(config.gateway.run_name, CHAT_APP)  # another chat, or a run training under this name
         if running is None:  # our own Serve, at the root of a free port; shut down at the end
             port, prefix = _free_port(config.gateway.port), "/"
             serve.start(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import shutil
 import sys
 import tempfile
@@ -114,7 +115,9 @@ def run_eval(args) -> int:
     import ray
 
     if local:
-        config.gateway.run_name = f"{config.gateway.run_name}-eval"
+        # a run and route of its own: beside the config's run, which may still be training on this cluster
+        config.gateway.run_name = f"{config.gateway.run_name}-eval-{secrets.token_hex(3)}"
+        config.gateway.route_prefix = f"/{config.gateway.run_name}"
         config.gateway.run_dir = tempfile.mkdtemp(prefix="rlgate-eval-")  # its sessions are not kept
         key = driver.gateway_key(config, private=True)
         ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE)

@@ -34,7 +34,7 @@ from rlgate.actors.rollout_server import RolloutServer
 from rlgate.config import RLGateConfig, load_config
 from rlgate.models import BUILTIN_DTYPES, prepare_model, tokenizer_class
 from rlgate.rollout.pool import PoolRefused, PoolSpec, TenantInfo
-from rlgate.run import NAMESPACE, ROLES, actor_name, app_name, end_actors
+from rlgate.run import NAMESPACE, ROLES, actor_name, app_name, end_actors, is_alive
 from rlgate.serving.auth import AdminKeyRefused, is_weak, refuse_public_bind
 from rlgate.serving.routing import router_config, serve_start_options
 from rlgate.sessions.manager import hash_key, new_key
@@ -164,6 +164,29 @@ class Serving:
     started: bool
 
 
+class Taken(ValueError):
+    """What a process would serve is another's: its run under way with a driver, or its application already served."""
+
+
+def refuse_taken(run: str, app: str) -> None:
+    """A process serving a run of its own (``serve_app.py``, ``rlgate chat``) never takes
+    over another's: ``serve.run`` would replace an application of its name, and ending
+    what it served would end the stores of a run a driver is training."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    if is_alive(run, "train"):
+        raise Taken(
+            f"run '{run}' is under way on this cluster (a training driver runs it): "
+            "give [gateway] run_name another name"
+        )
+    if _get_global_client(raise_if_no_controller_running=False) is not None and app in serve.status().applications:
+        raise Taken(
+            f"an application '{app}' is already served on this cluster: stop what serves it first "
+            f"(or `serve delete {app}` if that process is gone)"
+        )
+
+
 def start_serve(config: RLGateConfig, version: int = 0) -> Serving:
     """Serve's HTTP proxy (a Serve already running keeps its own host and port),
     and a ``[rollout] pool``'s shared engines joined: the gateway calls them by name."""
@@ -276,6 +299,10 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
     ray.init(address=os.environ.get("RAY_ADDRESS"))
+    try:
+        refuse_taken(config.gateway.run_name, APP)
+    except Taken as taken:
+        raise SystemExit(f"rlgate: {taken}") from None
     serving = start_serve(config)  # a Serve already running on the cluster keeps its address
     app = build_app(config, hash_key(key.value), key_fit_for_public=key.fit_for_public)
     serve.run(app, name=APP, route_prefix="/")

@@ -31,11 +31,13 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import ray
 from ray import serve
 
+from rlgate.actors.train_channel import TrainChannel
 from rlgate.actors.trainer import TrainerWorkers
 from rlgate.config import ConfigError, RLGateConfig, dump_config, load_config, with_changes
 from rlgate.rollout.pool import pool_name
@@ -76,6 +78,9 @@ from rlgate.training.runlog import RunLog
 from rlgate.training.tasks import Episodes, builtin_episodes, get_task, task_app_episodes
 from rlgate.training.tracking import Tracking
 
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
 
 def main() -> int:
     try:
@@ -103,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         config.model.adapter = str(start.adapter)
     tracking = start_tracking(config, run_dir, start.step, args.resume)  # [logging]: fails the run here if it must
     ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE)
+    channel = claim_run(config.gateway.run_name, start.first_command)  # refused while another driver runs it
     # before anything starts: a bad task app fails the run at once
     task_app = check_task_app(config, task_app_key(args.job_manager, config.gateway.run_name))
     # after ray.init, which sets its own SIGTERM: `ray job stop` acts as Ctrl-C. SIGINT too, which a shell
@@ -126,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     with ExitStack() as ending:  # however the run stops from here, while it starts too: undone in reverse
         ending.callback(end_served, config, serving.started)  # what it served, last
         # Ray Train's workers start while the engines do: nothing joins them before the first step
-        trainer = start_trainer(config, gpus, run_dir, start)
+        trainer = start_trainer(config, channel, gpus, run_dir, start)
         ending.callback(trainer.stop)
         url = deploy_gateway(config, serving, start.version, key)
         buffer = group_buffer(config, start.buffer, backlog_end, start.version, reopened)
@@ -228,9 +234,11 @@ def pool_running(pool: str) -> bool:
     return running is not None and pool_name(pool) in serve.status().applications
 
 
-def start_trainer(config: RLGateConfig, gpus: float, run_dir: Path, start: ResumePoint) -> TrainerWorkers:
-    """The run's Ray Train workers, started in the background; its PolicyStore made
-    first (the workers publish to it, the engines follow it)."""
+def start_trainer(
+    config: RLGateConfig, channel: ActorHandle, gpus: float, run_dir: Path, start: ResumePoint
+) -> TrainerWorkers:
+    """The run's Ray Train workers on its ``channel``, started in the background; its
+    PolicyStore made first (the workers publish to it, the engines follow it)."""
     run = config.gateway.run_name
     policy_store(config, start.version)
     setup = {
@@ -241,12 +249,44 @@ def start_trainer(config: RLGateConfig, gpus: float, run_dir: Path, start: Resum
     }
     return TrainerWorkers(
         setup,
+        channel,
         config.compute.trainer_workers,
         worker_bundle(config, gpus).as_ray(),  # [compute] placement = "split" adds rlgate_trainer
         storage=run_dir,
-        first_command=start.first_command,
         max_failures=config.training.max_failures,
     )
+
+
+CLAIM_WAIT_S = 20.0  # a driver stopped hard frees its run's name within a second or two (its channel ends with it)
+
+
+def claim_run(run: str, first_command: int) -> ActorHandle:
+    """The run's TrainChannel, made before anything of the run is touched: its name
+    is the run's claim on the cluster. It is this process's actor (not detached) and
+    ends with it, so a second driver of a run under way (the same config submitted
+    twice) is refused here, where it would have deleted that run's application and
+    ended its stores. A channel whose driver was stopped hard is waited out."""
+    deadline, answered = time.monotonic() + CLAIM_WAIT_S, 0
+    while True:
+        try:
+            return TrainChannel.options(name=actor_name(run, "train"), namespace=NAMESPACE).remote(first_command)
+        except ValueError:  # the name is taken: a driver of this run lives, or one stopped hard is ending
+            answered = answered + 1 if answers(run, "train") else 0
+            if answered == 2 or time.monotonic() > deadline:  # alive, a second apart
+                raise SystemExit(
+                    f"rlgate: run '{run}' is under way on this cluster (another driver holds it): give this run "
+                    "another --run-name, or stop that one first"
+                ) from None
+            time.sleep(1.0)
+
+
+def answers(run: str, role: str) -> bool:
+    """Whether the run's actor in ``role`` is there and answers within a few seconds."""
+    try:
+        ray.get(get_actor(run, role).__ray_ready__.remote(), timeout=5)
+        return True
+    except (ValueError, ray.exceptions.RayError):
+        return False
 
 
 @dataclass

@@ -132,9 +132,10 @@ def test_no_admin_key_is_made_where_its_print_would_land_in_rays_logs(ray_sessio
 def test_python_serve_app_prints_url_and_a_generated_admin_key_and_ends_what_it_made(ray_session, config_file):
     """`python serve_app.py` with RAY_ADDRESS, on a cluster whose Serve already
     listens: it serves at Serve's own address (not --port's), prints a generated
-    admin key that works, and at Ctrl-C ends its application and its run's actors,
-    while another application, and Serve itself, go on serving. (Starting Serve
-    on the configured address is a driver's path too: test_cluster.py's job.)"""
+    admin key that works, refuses a second ``serve_app.py`` beside it, and at
+    Ctrl-C ends its application and its run's actors, while another application,
+    and Serve itself, go on serving. (Starting Serve on the configured address is
+    a driver's path too: test_cluster.py's job.)"""
     from ray import serve
 
     from rlgate.run import ROLES, actor_name, is_alive
@@ -163,6 +164,17 @@ def test_python_serve_app_prints_url_and_a_generated_admin_key_and_ends_what_it_
         assert len(key) >= 32
         assert httpx.get(f"{url}/rl/status", headers={"Authorization": f"Bearer {key}"}).status_code == 200
         assert is_alive("cli", "sessions") and is_alive("cli", "capacity")
+        second = subprocess.run(  # started twice: refused, where serve.run would have replaced the first's app
+            [sys.executable, "serve_app.py", "--config", str(config_file)],
+            cwd=ROOT,
+            env=environment(RAY_ADDRESS=address, RAY_AUTH_MODE="disabled"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
+        assert "rlgate: an application 'rlgate' is already served on this cluster" in second.stderr
+        assert wait_healthy(url, process)["status"] == "ok" and is_alive("cli", "sessions")
     finally:
         stop(process, output)
     try:

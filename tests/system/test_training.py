@@ -353,7 +353,8 @@ def test_online_mode_trains_on_external_agents_within_the_staleness_bound(tmp_pa
     """Online mode: no built-in task. The driver serves and waits; concurrent
     external agents (the official openai client, two turns with a pause between)
     drive the sessions; with S = 1 no trained token is more than one version old.
-    When it ends, nothing of the run is left running on the cluster."""
+    A second driver of the run is refused while it runs. When it ends, nothing of
+    the run is left running on the cluster."""
     import asyncio
     import time
 
@@ -393,8 +394,13 @@ total_steps = {steps}
                 pass
             assert driver.poll() is None, driver.stdout.read()[-3000:]
             time.sleep(1)
+        # The same config submitted again: refused before it touches the run (it would have deleted this run's
+        # application and ended its stores), and this run goes on
+        second = train(path, env=joined.env)
+        assert second.returncode == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
+        assert "rlgate: run 'online' is under way on this cluster (another driver holds it)" in second.stderr
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
         # With no sessions the trainer waits: no step, the process is alive.
-        time.sleep(3)
         assert driver.poll() is None and not (run / "metrics.jsonl").exists()
 
         # Without waiting, a start beyond the bound is refused with 429: (S + 1) * B sessions
