@@ -101,8 +101,8 @@ class SessionJournal:
         for interaction in interactions:
             index = at.setdefault(id(interaction.prompt_ids), len(prompts))
             if index == len(prompts):
-                prompts.append(_as_continuation(interaction, earlier) or interaction.prompt_ids)
-            entries.append({**vars(interaction), "prompt_ids": index})
+                prompts.append(_as_continuation(interaction, earlier) or list(interaction.prompt_ids))
+            entries.append({**vars(interaction), "prompt_ids": index, **_as_lists(interaction)})
         self._write({"op": "record", "id": session_id, "prompts": prompts, "interactions": entries})
 
     def rewarded(self, session) -> None:
@@ -240,6 +240,11 @@ class SessionJournal:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _as_lists(interaction: Interaction) -> dict[str, list]:
+    """Its completion's tokens, logprobs and versions as JSON lists (a recorded one holds arrays)."""
+    return {name: list(getattr(interaction, name)) for name in ("completion_ids", "logprobs", "versions")}
 
 
 def _as_continuation(interaction: Interaction, earlier: dict[str, Interaction]) -> dict | None:

@@ -418,7 +418,7 @@ class SessionManager:
         parent = None if session.follow_template else session.trajectory.find(candidate_keys)
         if parent is None:
             return session.id, None
-        return session.id, Parent(parent.id, parent.key, parent.sequence, parent.completion_ids[-1:])
+        return session.id, Parent(parent.id, parent.key, parent.sequence, list(parent.completion_ids[-1:]))
 
     def check(self, key_hash: str) -> None:
         """Raise unless the key is a live session's (401 unknown, 410 ended)."""

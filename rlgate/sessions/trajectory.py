@@ -25,6 +25,8 @@ the branches. Pure Python: no Ray, no torch.
 from __future__ import annotations
 
 import time
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NotRequired, TypedDict
 
@@ -32,15 +34,86 @@ ExportStyle = Literal["individual", "concat"]
 NO_VERSION = -1  # version recorded for tokens the model did not sample (prompt tokens)
 
 
+class Tokens(Sequence[int]):
+    """A recorded prompt's token ids, held compactly: as 4-byte ints, and a
+    continuation's as its parent's prompt and completion followed by the tokens
+    after them, so a session holds each token once rather than once a turn (a
+    Python list of ids takes ~36 bytes a token, and each turn's prompt repeats
+    every earlier one: ten turns on a 2,000-token prompt growing 400 a turn took
+    1.8 MB, now ~60 KB with their completions). Reads as a read-only list of ints:
+    ``len``, indexing and slices (a list), iteration, ``+`` (a list) and ``==`` with
+    any sequence of ints; each builds the ids anew (O(length): kept off per-token
+    loops). Made by :meth:`SessionTrajectory.add`; pickles as its ids alone."""
+
+    __slots__ = ("_after", "_len", "_parent")
+
+    def __init__(self, after: Sequence[int], parent: Interaction | None = None) -> None:
+        self._after = after if isinstance(after, array) and after.typecode == "i" else array("i", after)
+        self._parent = parent
+        self._len = len(self._after) + (len(parent.prompt_ids) + len(parent.completion_ids) if parent else 0)
+
+    def ids(self) -> array:
+        """Every id, in one array (built anew: the parents' prompts, completions, then this one's own)."""
+        pieces, tokens = [], self
+        while tokens._parent is not None:
+            pieces += [tokens._after, tokens._parent.completion_ids]
+            tokens = tokens._parent.prompt_ids
+        out = array("i", tokens._after)
+        for piece in reversed(pieces):  # arrays, all: a parent is an interaction already added
+            out.extend(piece)
+        return out
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.ids()[index].tolist()
+        if self._parent is None:
+            return self._after[index]
+        return self.ids()[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ids())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Tokens):
+            return self._len == other._len and self.ids() == other.ids()
+        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
+            if self._len != len(other):
+                return False
+            try:
+                return self.ids() == (other if isinstance(other, array) else array("i", other))
+            except (TypeError, OverflowError):  # not all ints, or beyond any token id
+                return False
+        return NotImplemented
+
+    __hash__ = None  # mutable-looking, as a list
+
+    def __add__(self, other: Sequence[int]) -> list[int]:
+        return self.ids().tolist() + list(other)
+
+    def __radd__(self, other: Sequence[int]) -> list[int]:
+        return list(other) + self.ids().tolist()
+
+    def __repr__(self) -> str:
+        return f"Tokens({self.ids().tolist()!r})"
+
+    def __reduce__(self):
+        return Tokens, (self.ids(),)
+
+
 @dataclass
 class Interaction:
-    """One completion: what the engine saw and what it produced."""
+    """One completion: what the engine saw and what it produced. Made with lists;
+    :meth:`SessionTrajectory.add` holds its prompt as :class:`Tokens` and the rest as
+    arrays (``i``, ``d``: a long session's memory), which read as lists do."""
 
     id: str
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
+    prompt_ids: Sequence[int]
+    completion_ids: Sequence[int]
+    logprobs: Sequence[float]
+    versions: Sequence[int]
     finish_reason: str | None
     parent: str | None = None
     reward: float | None = None
@@ -60,7 +133,9 @@ class Interaction:
     def continues(self, parent: Interaction) -> bool:
         """Whether this prompt starts with ``parent``'s prompt and completion, token for token."""
         start, end = len(parent.prompt_ids), len(parent.prompt_ids) + len(parent.completion_ids)
-        return self.prompt_ids[:start] == parent.prompt_ids and self.prompt_ids[start:end] == parent.completion_ids
+        return self.prompt_ids[:start] == parent.prompt_ids and list(self.prompt_ids[start:end]) == list(
+            parent.completion_ids
+        )
 
 
 class TrajectoryRecord(TypedDict):
@@ -135,15 +210,28 @@ class SessionTrajectory:
     def add(self, interaction: Interaction) -> None:
         if interaction.id in self.interactions:
             raise ValueError(f"interaction {interaction.id} already recorded")
+        parent = None
         if interaction.parent is not None:
             if interaction.parent not in self.interactions:
                 raise ValueError(f"unknown parent interaction {interaction.parent!r}")
             parent = self.interactions[interaction.parent]
             if not interaction.continues(parent):
                 raise ValueError("a continuation must start with its parent's prompt and completion ids")
+        interaction.prompt_ids = self._held(interaction.prompt_ids, parent)
+        interaction.completion_ids = array("i", interaction.completion_ids)  # 4 bytes a token, not ~36
+        interaction.logprobs, interaction.versions = array("d", interaction.logprobs), array("i", interaction.versions)
         self.interactions[interaction.id] = interaction
         if interaction.key is not None:
             self._by_key[interaction.key] = interaction.id
+
+    def _held(self, prompt: Sequence[int], parent: Interaction | None) -> Tokens:
+        """``prompt`` as this trajectory holds it: the latest interaction's when they
+        are the same (the n choices of one request), else its own :class:`Tokens`."""
+        latest = self.interactions[next(reversed(self.interactions))] if self.interactions else None
+        if latest is not None and latest.parent == (parent and parent.id) and latest.prompt_ids == prompt:
+            return latest.prompt_ids
+        start = len(parent.prompt_ids) + len(parent.completion_ids) if parent is not None else 0
+        return Tokens(prompt[start:] if start else prompt, parent)
 
     def find(self, keys: list[str]) -> Interaction | None:
         """The interaction whose key is the latest of ``keys`` recorded (the longest
@@ -247,8 +335,8 @@ class SessionTrajectory:
             reward=returns[interaction.id],
             input_ids=interaction.sequence,
             loss_mask=[0] * prompt + [1] * len(interaction.completion_ids),
-            logprobs=[0.0] * prompt + interaction.logprobs,
-            versions=[NO_VERSION] * prompt + interaction.versions,
+            logprobs=[0.0] * prompt + interaction.logprobs.tolist(),
+            versions=[NO_VERSION] * prompt + interaction.versions.tolist(),
             temperatures=[1.0] * prompt + [interaction.temperature] * len(interaction.completion_ids),
             finish_reasons=[interaction.finish_reason],
             adapters=[interaction.adapter],
