@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -91,69 +91,26 @@ def main() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = configured(args)
-    dataset = load_dataset_task(config)  # a bad dataset or reward function fails the run before anything starts
-    key = gateway_key(config, private=args.job_manager is not None)  # a refused key fails the run before it starts
-    run_dir = Path(config.gateway.run_dir, config.gateway.run_name).resolve()
-    start = resume_point(run_dir, args.resume)
-    if start.adapter is not None and config.training.lora is None:
-        raise SystemExit(f"rlgate: {run_dir}'s checkpoints hold a LoRA adapter: resume it with its [training.lora]")
-    if start.weights is not None and config.training.lora is not None:
-        raise SystemExit(f"rlgate: {run_dir} was fully fine-tuned: remove [training.lora] to resume it")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    dump_config(config, run_dir / "config.toml")  # the settings this run (or resumption) used
-    if start.weights is not None:  # engines start on the checkpoint's weights
-        config.model.name = str(start.weights)
-    if start.adapter is not None:  # or on the base model with the checkpoint's adapter
-        config.model.adapter = str(start.adapter)
-    tracking = start_tracking(config, run_dir, start.step, args.resume)  # [logging]: fails the run here if it must
-    ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE)
-    channel = claim_run(config.gateway.run_name, start.first_command)  # refused while another driver runs it
-    # before anything starts: a bad task app fails the run at once
-    task_app = check_task_app(config, task_app_key(args.job_manager, config.gateway.run_name))
-    # after ray.init, which sets its own SIGTERM: `ray job stop` acts as Ctrl-C. SIGINT too, which a shell
-    # without job control hands its background commands ignored: `python train_driver.py ... &` then stops on it
-    signal.signal(signal.SIGINT, CTRL_C)
-    signal.signal(signal.SIGTERM, interrupted)  # at once: `ray job stop` kills the driver 3 s later
-    gpus = trainer_gpus(config)
-    wait_until_placeable(config, gpus, run_dir)
-    end_earlier_application(app_name(config.gateway.run_name, config.gateway.route_prefix))
-    if not args.resume:
-        forget_earlier_run(config.gateway.run_name, run_dir)
-    else:
-        forget_stopped_run(config.gateway.run_name)
-    # what was saved before this (re)start, the earlier run's stores gone (they saved until they went)
-    backlog_end = last_seq(run_dir / "trajectories")
-    # the sessions this run's stores take back (counted when they end); a fresh run reads nothing saved before it
-    reopened = open_session_ids(run_dir / "sessions") if args.resume else set()
-    if start.buffer is None:  # a fresh run trains on episodes that finish from now on, the first included
-        start.buffer = {"watermark": backlog_end, "done_above": []}
+    begin = prepare(args)
+    take_the_cluster(begin, args)
+    config, start, key = begin.config, begin.start, begin.key
     serving = start_serve(config, start.version)
     with ExitStack() as ending:  # however the run stops from here, while it starts too: undone in reverse
         ending.callback(end_served, config, serving.started)  # what it served, last
         # Ray Train's workers start while the engines do: nothing joins them before the first step
-        trainer = start_trainer(config, channel, gpus, run_dir, start)
+        trainer = start_trainer(config, begin.channel, begin.gpus, begin.run_dir, start)
         ending.callback(trainer.stop)
         url = deploy_gateway(config, serving, start.version, key)
-        buffer = group_buffer(config, start.buffer, backlog_end, start.version, reopened)
+        buffer = group_buffer(config, start.buffer, begin.backlog_end, start.version, begin.reopened)
         read_backlog(buffer, get_actor(config.gateway.run_name, "trajectories"))  # the stopped run's groups
         admit_under_the_rule(config, start.version, buffer.counters)  # before any episode starts
         stopping, stopped_by_hand = threading.Event(), False
-        episodes = start_episodes(config, url, key.value, stopping, task_app, dataset, start.step)
+        episodes = start_episodes(config, url, key.value, stopping, begin.task_app, begin.dataset, start.step)
         if episodes is not None:
             ending.callback(episodes.stop)
-        # the log as of the checkpoint (now the run is under way: a resumption refused before this keeps it whole)
-        if args.resume and (again := RunLog.forget_after(run_dir, start.step)):  # stopped between checkpoints
-            print(
-                f"rlgate: resuming after step {start.step}; steps {again[0]}-{again[-1]} are trained again", flush=True
-            )
-        log = RunLog(run_dir, config.training.total_steps, start.step, tracking=tracking)
-        if start.lines is not None and (written := log.complete(start.step, *start.lines)):
-            print(
-                f"rlgate: step {start.step}'s line in {' and '.join(written)} written from its checkpoint", flush=True
-            )
+        log = open_log(begin, args.resume)  # now the run is under way: a resumption refused before keeps it whole
         progress = Progress(start.step, start.version)
-        evaluator = held_out_evaluation(config, url, key.value, task_app, dataset, run_dir)
+        evaluator = held_out_evaluation(config, url, key.value, begin.task_app, begin.dataset, begin.run_dir)
         try:
             train(config, buffer, progress, trainer, stopping, log, evaluator.at)
         except KeyboardInterrupt:
@@ -168,6 +125,85 @@ def run(args: argparse.Namespace) -> int:
         print(f"rlgate: stopped: the environment is down: {episodes.stats.fatal}", file=sys.stderr)
         return 1
     return 0
+
+
+@dataclass
+class Beginning:
+    """A run as it starts: what it knows before it touches the cluster (:func:`prepare`),
+    then what it holds there before anything is served (:func:`take_the_cluster`)."""
+
+    config: RLGateConfig
+    dataset: DatasetTask | None
+    key: AdminKey
+    run_dir: Path
+    start: ResumePoint
+    tracking: Tracking
+    channel: ActorHandle | None = None  # the run's TrainChannel: its claim on the cluster
+    task_app: TaskAppClient | None = None
+    gpus: float = 0.0  # per trainer worker
+    backlog_end: int = 0  # the last trajectory saved before this (re)start
+    reopened: set[str] = field(default_factory=set)  # the open sessions its stores take back from their journal
+
+
+def prepare(args: argparse.Namespace) -> Beginning:
+    """The config, dataset, admin key, resume point and trackers: anything wrong with
+    them fails the run here, before anything starts."""
+    config = configured(args)
+    dataset = load_dataset_task(config)
+    key = gateway_key(config, private=args.job_manager is not None)
+    run_dir = Path(config.gateway.run_dir, config.gateway.run_name).resolve()
+    start = resume_point(run_dir, args.resume)
+    if start.adapter is not None and config.training.lora is None:
+        raise SystemExit(f"rlgate: {run_dir}'s checkpoints hold a LoRA adapter: resume it with its [training.lora]")
+    if start.weights is not None and config.training.lora is not None:
+        raise SystemExit(f"rlgate: {run_dir} was fully fine-tuned: remove [training.lora] to resume it")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(config, run_dir / "config.toml")  # the settings this run (or resumption) used
+    if start.weights is not None:  # engines start on the checkpoint's weights
+        config.model.name = str(start.weights)
+    if start.adapter is not None:  # or on the base model with the checkpoint's adapter
+        config.model.adapter = str(start.adapter)
+    tracking = start_tracking(config, run_dir, start.step, args.resume)  # [logging]: fails the run here if it must
+    return Beginning(config, dataset, key, run_dir, start, tracking)
+
+
+def take_the_cluster(begin: Beginning, args: argparse.Namespace) -> None:
+    """Join Ray and claim the run; check its task app; wait for room; end what an
+    earlier run of its name left; note where its trajectories stand."""
+    config, run = begin.config, begin.config.gateway.run_name
+    ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE)
+    begin.channel = claim_run(run, begin.start.first_command)  # refused while another driver runs it
+    # before anything starts: a bad task app fails the run at once
+    begin.task_app = check_task_app(config, task_app_key(args.job_manager, run))
+    # after ray.init, which sets its own SIGTERM: `ray job stop` acts as Ctrl-C. SIGINT too, which a shell
+    # without job control hands its background commands ignored: `python train_driver.py ... &` then stops on it
+    signal.signal(signal.SIGINT, CTRL_C)
+    signal.signal(signal.SIGTERM, interrupted)  # at once: `ray job stop` kills the driver 3 s later
+    begin.gpus = trainer_gpus(config)
+    wait_until_placeable(config, begin.gpus, begin.run_dir)
+    end_earlier_application(app_name(run, config.gateway.route_prefix))
+    if not args.resume:
+        forget_earlier_run(run, begin.run_dir)
+    else:
+        forget_stopped_run(run)
+    # what was saved before this (re)start, the earlier run's stores gone (they saved until they went)
+    begin.backlog_end = last_seq(begin.run_dir / "trajectories")
+    # the sessions this run's stores take back (counted when they end); a fresh run reads nothing saved before it
+    begin.reopened = open_session_ids(begin.run_dir / "sessions") if args.resume else set()
+    if begin.start.buffer is None:  # a fresh run trains on episodes that finish from now on, the first included
+        begin.start.buffer = {"watermark": begin.backlog_end, "done_above": []}
+
+
+def open_log(begin: Beginning, resumed: bool) -> RunLog:
+    """The run's log as of its checkpoint: a resumption drops the lines of steps after
+    it (they are trained again) and writes those of a step saved but never logged."""
+    step = begin.start.step
+    if resumed and (again := RunLog.forget_after(begin.run_dir, step)):  # stopped between checkpoints
+        print(f"rlgate: resuming after step {step}; steps {again[0]}-{again[-1]} are trained again", flush=True)
+    log = RunLog(begin.run_dir, begin.config.training.total_steps, step, tracking=begin.tracking)
+    if begin.start.lines is not None and (written := log.complete(step, *begin.start.lines)):
+        print(f"rlgate: step {step}'s line in {' and '.join(written)} written from its checkpoint", flush=True)
+    return log
 
 
 def parse_args() -> argparse.Namespace:
