@@ -29,6 +29,7 @@ the hook) answers 421 and says so; a refresh (``start_session`` with an
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -90,9 +91,16 @@ def proxy_middlewares() -> list[Middleware]:
     return [Middleware(SessionHeader)]
 
 
+# Serve gives a starting proxy 5 s to say it is ready (more after each restart), then restarts it: a proxy
+# process on a busy small node can take longer than that just to start (seen under load on 2 cores)
+PROXY_READY_ENV, PROXY_READY_S = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30"
+
+
 def serve_start_options() -> dict:
-    """Keyword arguments for ``serve.start``: the proxies it starts route by session key."""
-    return {"controller_options": {"runtime_env": {"env_vars": {HOOK_ENV: HOOK}}}}
+    """Keyword arguments for ``serve.start``: the proxies it starts route by session key,
+    and are given ``PROXY_READY_S`` to start (the environment's own value, if set)."""
+    env = {HOOK_ENV: HOOK, PROXY_READY_ENV: os.environ.get(PROXY_READY_ENV, PROXY_READY_S)}
+    return {"controller_options": {"runtime_env": {"env_vars": env}}}
 
 
 def router_config(replicas: int):

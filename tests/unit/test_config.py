@@ -150,7 +150,7 @@ def test_training_and_compute_checks_name_the_keys():
         parse_config({"algorithm": {"variety": "ppo"}})
 
 
-def test_the_serve_config_file_is_valid_and_names_our_deployments():
+def test_the_serve_config_file_is_valid_and_names_our_deployments(monkeypatch):
     """configs/serve.yaml passes Serve's own schema and configures the deployments serve_app builds."""
     import yaml
     from ray.serve.schema import ServeDeploySchema
@@ -163,6 +163,10 @@ def test_the_serve_config_file_is_valid_and_names_our_deployments():
     assert {d.name for d in application.deployments} == {"Gateway", "RolloutServer"}
     rollout = next(d for d in application.deployments if d.name == "RolloutServer")
     assert rollout.autoscaling_config["min_replicas"] >= 1
+    from rlgate.serving.routing import PROXY_READY_ENV, serve_start_options
+
+    monkeypatch.delenv(PROXY_READY_ENV, raising=False)  # the controller's settings, as serve.start gets them
+    assert data["controller_options"] == serve_start_options()["controller_options"]
 
 
 def test_the_documented_limits_are_the_defaults():

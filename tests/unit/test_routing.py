@@ -117,3 +117,12 @@ def test_the_router_offers_new_sessions_to_each_replica_first_in_turn():
     firsts = [asyncio.run(chooser.choose_replicas(replicas, pending()))[0][0].name for _ in range(6)]
     assert sorted(firsts) == ["r0", "r0", "r1", "r1", "r2", "r2"]
     assert all(len(asyncio.run(chooser.choose_replicas(replicas, pending()))[0]) == 3 for _ in range(3))
+
+
+def test_serve_gives_its_proxies_time_to_start_on_a_busy_node(monkeypatch):
+    from rlgate.serving.routing import HOOK, HOOK_ENV, PROXY_READY_ENV, serve_start_options
+
+    env = serve_start_options()["controller_options"]["runtime_env"]["env_vars"]
+    assert env == {HOOK_ENV: HOOK, PROXY_READY_ENV: "30"}  # Serve's own 5 s restarts a proxy still starting
+    monkeypatch.setenv(PROXY_READY_ENV, "90")  # an operator's own choice is kept
+    assert serve_start_options()["controller_options"]["runtime_env"]["env_vars"][PROXY_READY_ENV] == "90"
