@@ -139,6 +139,7 @@ class Gateway:
         capacity, trajectories = run_stores(gateway)
         self.engine, self.follower, self.request_log, self.slot, peers = None, None, RequestLog(0), None, None
         self.stopping = False  # Serve is ending this replica: its engine (colocated) goes on purpose
+        self.run = gateway.run_name
         if gateway.colocate:
             engine, sessions, peers = await self._colocate(
                 settings, model_path, initial_version, deployment, capacity, trajectories
@@ -224,9 +225,9 @@ class Gateway:
         return self.request_log.recent(count)
 
     async def replica_status(self) -> dict:
-        """This replica: its slot (colocated; None split), process id and open sessions (colocated)."""
+        """This replica: its run, slot (colocated; None split), process id and open sessions (colocated)."""
         owned = self.sessions.open_count() if self.slot is not None else None
-        return {"slot": self.slot and self.slot.index, "pid": os.getpid(), "open_sessions": owned}
+        return {"run": self.run, "slot": self.slot and self.slot.index, "pid": os.getpid(), "open_sessions": owned}
 
     async def check_health(self) -> None:
         """Serve's liveness probe: a dead engine (colocated) ends the replica, so Serve

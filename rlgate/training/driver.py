@@ -181,7 +181,7 @@ def take_the_cluster(begin: Beginning, args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, interrupted)  # at once: `ray job stop` kills the driver 3 s later
     begin.gpus = trainer_gpus(config)
     wait_until_placeable(config, begin.gpus, begin.run_dir)
-    end_earlier_application(app_name(run, config.gateway.route_prefix))
+    clear_the_route(config)
     if not args.resume:
         forget_earlier_run(run, begin.run_dir)
     else:
@@ -757,18 +757,39 @@ def resume_point(run_dir: Path, resume: bool) -> ResumePoint:
     return point
 
 
-def end_earlier_application(name: str) -> None:
-    """A run of this name whose driver died (killed, its node lost) left its Serve
-    application up. Its replicas would go on saving sessions into the run's
-    trajectories after this run's backlog mark, sampled by weights this run does
-    not continue from: it is deleted before anything else."""
+def clear_the_route(config: RLGateConfig) -> None:
+    """The run's route on Serve's proxy is its own. An application that a run of this
+    name left there (its driver died: killed, its node lost) is deleted: its replicas
+    would go on saving sessions into the run's trajectories after this run's backlog
+    mark, sampled by weights this run does not continue from. An application of
+    another run, or any other, is never taken over (``serve.run`` would replace it)."""
     from ray.serve.context import _get_global_client
 
-    if _get_global_client(raise_if_no_controller_running=False) is None:
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
         return
-    if name in serve.status().applications:
+    run, prefix = config.gateway.run_name, config.gateway.route_prefix
+    name = app_name(run, prefix)
+    routes = {app: details.get("route_prefix") for app, details in client.get_serve_details()["applications"].items()}
+    holder = next((app for app, route in routes.items() if route == prefix and app != name), None)
+    owner = serving_run(name) if name in routes else None
+    if holder is not None or owner not in (None, run):
+        what = f"application '{holder}'" if holder is not None else f"run '{owner}'"
+        raise SystemExit(
+            f"rlgate: route '{prefix}' is served by {what} on this cluster: give this run a [gateway] route_prefix "
+            f"of its own, or end that one first (`serve delete {holder or name}` if what served it is gone)"
+        )
+    if name in routes:
         print(f"rlgate: an earlier run's application {name} is still deployed; deleting it first", flush=True)
         serve.delete(name)
+
+
+def serving_run(app: str) -> str | None:
+    """The run whose gateway application ``app`` is, as a replica of it says (None when none answers)."""
+    try:
+        return serve.get_app_handle(app).replica_status.remote().result(timeout_s=10).get("run")
+    except Exception:  # not a gateway, or no replica up: nothing there serves a run
+        return None
 
 
 def forget_earlier_run(run: str, run_dir: Path) -> None:

@@ -696,25 +696,58 @@ async def test_a_holders_calls_wait_until_its_start_count_is_applied():
     assert order == [("reconcile", 0), ("acquire",), ("acquire",)]
 
 
-def test_a_run_deletes_the_application_a_dead_driver_of_its_name_left_deployed(ray_session, capsys):
+def test_a_run_takes_back_its_route_from_a_dead_driver_of_its_name_and_never_from_another(ray_session, capsys):
     """A driver killed outright leaves its application up; its replicas would go on
-    saving sessions of weights the next run (resumed or fresh) does not continue from."""
+    saving sessions of weights the next run (resumed or fresh) does not continue from:
+    the next run of its name deletes it. An application of another run at the run's
+    route (at '/', every run's application is named ``rlgate``), or any other
+    application there, is left alone and the run refused: it would have replaced it."""
     from ray import serve
 
+    from rlgate.config import parse_config
     from rlgate.run import app_name
-    from rlgate.training.driver import end_earlier_application
+    from rlgate.training.driver import clear_the_route
+
+    def run_at(run: str, prefix: str):
+        return parse_config({"gateway": {"run_name": run, "route_prefix": prefix}})
 
     @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
-    class Left:
+    class Served:
+        def __init__(self, run: str | None) -> None:
+            self.run = run
+
+        def replica_status(self) -> dict:  # as a Gateway replica answers
+            if self.run is None:
+                raise AttributeError("not a gateway")
+            return {"run": self.run}
+
         def __call__(self, request) -> str:
             return "still here"
 
-    name = app_name(f"dead-{uuid.uuid4().hex[:8]}", "/left")
-    serve.run(Left.bind(), name=name, route_prefix="/left")
-    end_earlier_application(name)
-    assert name not in serve.status().applications and "still deployed; deleting it first" in capsys.readouterr().out
-    end_earlier_application(name)  # none left: nothing happens
+    dead = f"dead-{uuid.uuid4().hex[:8]}"
+    serve.run(Served.bind(None), name=app_name(dead, "/left"), route_prefix="/left")
+    clear_the_route(run_at(dead, "/left"))
+    assert app_name(dead, "/left") not in serve.status().applications
+    assert "still deployed; deleting it first" in capsys.readouterr().out
+    clear_the_route(run_at(dead, "/left"))  # none left: nothing happens
     assert "deleting" not in capsys.readouterr().out
+
+    serve.run(Served.bind("other-run"), name="rlgate", route_prefix="/")  # another run's, at the root
+    try:
+        with pytest.raises(SystemExit, match="route '/' is served by run 'other-run' on this cluster: give this run"):
+            clear_the_route(run_at(dead, "/"))
+        serve.run(Served.bind(dead), name="rlgate", route_prefix="/")  # this run's own, its driver dead
+        clear_the_route(run_at(dead, "/"))
+        assert "rlgate" not in serve.status().applications
+    finally:
+        serve.delete("rlgate")
+    serve.run(Served.bind(None), name="not-a-run", route_prefix="/mine")  # any other application
+    try:
+        with pytest.raises(SystemExit, match="route '/mine' is served by application 'not-a-run' on this cluster"):
+            clear_the_route(run_at(dead, "/mine"))
+        assert "not-a-run" in serve.status().applications
+    finally:
+        serve.delete("not-a-run")
 
 
 def test_a_resume_on_a_cluster_that_kept_running_starts_at_its_checkpoints_version(tmp_path, ray_session):

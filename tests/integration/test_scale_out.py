@@ -15,6 +15,7 @@ import httpx
 import openai
 
 from rlgate.serving.auth import key_slot
+from rlgate.training.driver import serving_run
 from tests.support import free_port, gateway_fixture, key_of, prompt_len, until_served
 
 NAME = "gw-scale"
@@ -60,6 +61,7 @@ def test_sessions_spread_stay_on_their_engine_and_survive_a_killed_replica(two):
     assert len(seen[0]) + len(seen[1]) == 8
     status = {slot: replica(app, slot).replica_status.remote().result() for slot in (0, 1)}
     assert {slot: s["slot"] for slot, s in status.items()} == {0: 0, 1: 1}
+    assert {s["run"] for s in status.values()} == {NAME} and serving_run(NAME) == NAME  # what a driver asks
     assert status[0]["open_sessions"] + status[1]["open_sessions"] == 4
     summed = httpx.get(f"{app.url}/rl/status", headers=app.admin).json()["sessions"]
     assert (summed["open_sessions"], summed["replicas_answered"], summed["started"]) == (4, 2, 4)
