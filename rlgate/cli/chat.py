@@ -41,7 +41,7 @@ def run_chat(config_path: str, max_tokens: int = 64) -> int:
     from rich.text import Text
 
     from rlgate.config import load_config
-    from rlgate.serving.app import build_app, end_served, refuse_taken, resolve_model
+    from rlgate.serving.app import build_app, claim_run, end_served, refuse_served, resolve_model
     from rlgate.serving.routing import serve_start_options
     from rlgate.sessions.manager import hash_key
 
@@ -55,7 +55,8 @@ def run_chat(config_path: str, max_tokens: int = 64) -> int:
     with console.status(f"Starting Ray, a {config.rollout.engine} rollout engine and the gateway (about 30 s on CPU)"):
         ray.init(include_dashboard=False, log_to_driver=False)  # joins a cluster `ray start` left running here
         running = _get_global_client(raise_if_no_controller_running=False)
-        refuse_taken(config.gateway.run_name, CHAT_APP)  # another chat, or a run training under this name
+        refuse_served(CHAT_APP)  # another chat
+        claim = claim_run(config.gateway.run_name)  # a run in use under this name refuses it; held while it chats
         if running is None:  # our own Serve, at the root of a free port; shut down at the end
             port, prefix = _free_port(config.gateway.port), "/"
             serve.start(
@@ -110,7 +111,8 @@ def run_chat(config_path: str, max_tokens: int = 64) -> int:
         console.print(f"\nreward 1.0 set; {ended['message']} ({ended['interaction_count']} completions)")
         _show_trajectory(console, Table, httpx.get(f"{url}/rl/trajectories", headers=admin).text, session, config)
     finally:
-        end_served(config, running is None, CHAT_APP)  # another Serve's applications are left alone
+        end_served(config, running is None, CHAT_APP)  # another Serve's applications are left alone (and the claim)
+        del claim
         ray.shutdown()
     return 0
 

@@ -101,7 +101,7 @@ def run_eval(args) -> int:
 
     from rlgate.run import NAMESPACE
     from rlgate.sdk.taskapp import environment_key
-    from rlgate.serving.app import end_served
+    from rlgate.serving.app import end_served, start_serve
     from rlgate.training import driver
     from rlgate.training.evaluation import evaluate
 
@@ -115,19 +115,21 @@ def run_eval(args) -> int:
     import ray
 
     if local:
-        # a run and route of its own: beside the config's run, which may still be training on this cluster
-        config.gateway.run_name = f"{config.gateway.run_name}-eval-{secrets.token_hex(3)}"
-        config.gateway.route_prefix = f"/{config.gateway.run_name}"
+        # a run, route and port of its own: beside the config's run, which may still be training on this cluster
+        config.gateway.run_name = f"{config.gateway.run_name[:52]}-eval-{secrets.token_hex(3)}"
+        config.gateway.route_prefix, config.gateway.direct_port = f"/{config.gateway.run_name}", None
         config.gateway.run_dir = tempfile.mkdtemp(prefix="rlgate-eval-")  # its sessions are not kept
         key = driver.gateway_key(config, private=True)
         ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE)
-        url, started_serve = driver.serve_gateway(config, 0, key)
+        serving = start_serve(config)
         admin = key.value
     else:
         admin = args.api_key
         if not admin:
             raise ValueError("a gateway at --backend needs its admin key: --api-key or $RLGATE_ADMIN_KEY")
     try:
+        if local:  # a deploy that fails is ended below too
+            url = driver.deploy_gateway(config, serving, 0, key)
         task_app = driver.check_task_app(config, environment_key())
         episodes = driver.evaluation_episodes(config, url, task_app, dataset)
         if episodes is None:
@@ -139,7 +141,7 @@ def run_eval(args) -> int:
         )
     finally:
         if local:  # nothing of the evaluation's own gateway is kept: its app, its run's actors, its folder
-            end_served(config, started_serve)
+            end_served(config, serving.started)
             shutil.rmtree(config.gateway.run_dir, ignore_errors=True)
     result = {"model": served, **report.as_dict()}
     Console(width=120, stderr=args.json is None).print(report.table())

@@ -21,9 +21,10 @@ import argparse
 import os
 import secrets
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ray.serve import Application
 
@@ -34,11 +35,14 @@ from rlgate.actors.rollout_server import RolloutServer
 from rlgate.config import RLGateConfig, load_config
 from rlgate.models import BUILTIN_DTYPES, prepare_model, tokenizer_class
 from rlgate.rollout.pool import PoolRefused, PoolSpec, TenantInfo
-from rlgate.run import NAMESPACE, ROLES, actor_name, app_name, end_actors, is_alive
+from rlgate.run import NAMESPACE, ROLES, actor_name, app_name, end_actors, get_actor
 from rlgate.serving.auth import AdminKeyRefused, is_weak, refuse_public_bind
 from rlgate.serving.routing import router_config, serve_start_options
 from rlgate.sessions.manager import hash_key, new_key
 from rlgate.training.placement import replica_bundle
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 POOL_SERVED_S = 300.0  # how long a run joining an engine pool waits for every replica to serve it
 DEFAULT_CONFIG = Path("configs") / "serve.toml"  # from the working directory: a checkout, or Ray's working_dir
@@ -165,21 +169,58 @@ class Serving:
 
 
 class Taken(ValueError):
-    """What a process would serve is another's: its run under way with a driver, or its application already served."""
+    """What a process would serve is another's: its run held by another process, or its application served."""
 
 
-def refuse_taken(run: str, app: str) -> None:
-    """A process serving a run of its own (``serve_app.py``, ``rlgate chat``) never takes
-    over another's: ``serve.run`` would replace an application of its name, and ending
-    what it served would end the stores of a run a driver is training."""
+CLAIM_WAIT_S = 20.0  # a process stopped hard frees its run's name within a second or two (its claim ends with it)
+
+
+def claim_run(run: str, first_command: int = 0) -> ActorHandle:
+    """The run's claim on the cluster, taken before anything of the run is touched:
+    its TrainChannel (a driver trains through it; ``serve_app.py`` and ``rlgate chat``
+    hold it unused). It is this process's actor, not detached, and ends with it; so a
+    second process of a run in use (the same config submitted twice, a driver beside
+    ``rlgate serve``) is refused here, where it would have deleted the other's
+    application and ended its stores. A claim whose process was stopped hard is waited
+    out; one whose process answers, a second apart, is another's."""
+    from rlgate.actors.train_channel import TrainChannel
+
+    deadline, answered, ever = time.monotonic() + CLAIM_WAIT_S, 0, False
+    while True:
+        try:
+            return TrainChannel.options(name=actor_name(run, "train"), namespace=NAMESPACE).remote(first_command)
+        except ValueError:  # the name is taken: a process of this run lives, or one stopped hard is ending
+            answered = answered + 1 if _answers(run, "train") else 0
+            ever = ever or answered > 0
+            if answered == 2:
+                raise Taken(
+                    f"run '{run}' is in use on this cluster (a training driver, `rlgate serve` or `rlgate chat` "
+                    "holds it): give this one another run name, or stop that one first"
+                ) from None
+            if time.monotonic() > deadline:
+                raise Taken(
+                    f"run '{run}' is still held by a process that {'stopped answering' if ever else 'does not answer'}"
+                    " (its node lost?): try again once Ray has seen it go (a minute or so)"
+                ) from None
+            time.sleep(1.0)
+
+
+def _answers(run: str, role: str) -> bool:
+    """Whether the run's actor in ``role`` is there and answers within a few seconds."""
+    import ray
+
+    try:
+        ray.get(get_actor(run, role).__ray_ready__.remote(), timeout=5)
+        return True
+    except (ValueError, ray.exceptions.RayError):
+        return False
+
+
+def refuse_served(app: str) -> None:
+    """An application of this name already served is another process's: ``serve.run`` would replace it."""
     from ray import serve
     from ray.serve.context import _get_global_client
 
-    if is_alive(run, "train"):
-        raise Taken(
-            f"run '{run}' is under way on this cluster (a training driver runs it): "
-            "give [gateway] run_name another name"
-        )
     if _get_global_client(raise_if_no_controller_running=False) is not None and app in serve.status().applications:
         raise Taken(
             f"an application '{app}' is already served on this cluster: stop what serves it first "
@@ -300,7 +341,8 @@ def main() -> None:
 
     ray.init(address=os.environ.get("RAY_ADDRESS"))
     try:
-        refuse_taken(config.gateway.run_name, APP)
+        refuse_served(APP)
+        claim = claim_run(config.gateway.run_name)  # held until this process ends (end_served ends it first)
     except Taken as taken:
         raise SystemExit(f"rlgate: {taken}") from None
     serving = start_serve(config)  # a Serve already running on the cluster keeps its address
@@ -312,6 +354,7 @@ def main() -> None:
         print(f"rlgate: admin key (shown once; set RLGATE_ADMIN_KEY to choose it): {key.value}", flush=True)
     stop.wait()
     end_served(config, serving.started, APP)
+    del claim  # (ended by end_served; the handle kept it until then)
 
 
 if __name__ == "__main__":

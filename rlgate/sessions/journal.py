@@ -34,7 +34,8 @@ COMPACT_BYTES = 64 * 2**20
 # logprobs as Python objects in lists), plus a list slot for each token a continuation's
 # prompt takes from its parent: the file holds it once, each turn's prompt list again.
 # Measured (tracemalloc) for sessions of 4, 10, 30 and 50 turns: 4.0x, 7.4x, 13.2x and
-# 18.4x the file; this estimate: 8.8x, 11.5x, 17.5x and 22.7x.
+# 18.4x the file; this estimate: 8.8x, 11.5x, 17.5x and 22.7x. (Measured when sessions held lists: a replayed
+# prompt is now a list only while it is added, and held compactly after, so the estimate errs high.)
 REPLAY_EXPANSION = 8
 SLOT_BYTES = 8
 ENDED_MEMORY_S = 24 * 3600.0  # ended keys kept (for 410 answers) across a restart

@@ -37,7 +37,6 @@ import httpx
 import ray
 from ray import serve
 
-from rlgate.actors.train_channel import TrainChannel
 from rlgate.actors.trainer import TrainerWorkers
 from rlgate.config import ConfigError, RLGateConfig, dump_config, load_config, with_changes
 from rlgate.rollout.pool import pool_name
@@ -59,8 +58,10 @@ from rlgate.serving.app import (
     AdminKey,
     AdminKeyRefused,
     Serving,
+    Taken,
     admin_key,
     build_app,
+    claim_run,
     end_served,
     policy_store,
     resolve_model,
@@ -129,8 +130,8 @@ def run(args: argparse.Namespace) -> int:
 
 @dataclass
 class Beginning:
-    """A run as it starts: what it knows before it touches the cluster (:func:`prepare`),
-    then what it holds there before anything is served (:func:`take_the_cluster`)."""
+    """A run as it starts: what it knows and claims (:func:`prepare`), then what it
+    holds on the cluster before anything is served (:func:`take_the_cluster`)."""
 
     config: RLGateConfig
     dataset: DatasetTask | None
@@ -138,7 +139,7 @@ class Beginning:
     run_dir: Path
     start: ResumePoint
     tracking: Tracking
-    channel: ActorHandle | None = None  # the run's TrainChannel: its claim on the cluster
+    channel: ActorHandle  # the run's TrainChannel: its claim on the cluster
     task_app: TaskAppClient | None = None
     gpus: float = 0.0  # per trainer worker
     backlog_end: int = 0  # the last trajectory saved before this (re)start
@@ -146,8 +147,9 @@ class Beginning:
 
 
 def prepare(args: argparse.Namespace) -> Beginning:
-    """The config, dataset, admin key, resume point and trackers: anything wrong with
-    them fails the run here, before anything starts."""
+    """The config, dataset, admin key and resume point (anything wrong with them fails
+    the run before anything starts); Ray joined and the run claimed; then its folder
+    and trackers."""
     config = configured(args)
     dataset = load_dataset_task(config)
     key = gateway_key(config, private=args.job_manager is not None)
@@ -157,6 +159,11 @@ def prepare(args: argparse.Namespace) -> Beginning:
         raise SystemExit(f"rlgate: {run_dir}'s checkpoints hold a LoRA adapter: resume it with its [training.lora]")
     if start.weights is not None and config.training.lora is not None:
         raise SystemExit(f"rlgate: {run_dir} was fully fine-tuned: remove [training.lora] to resume it")
+    ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE)
+    try:  # before its folder and trackers are touched: refused while another process has the run
+        channel = claim_run(config.gateway.run_name, start.first_command)
+    except Taken as taken:
+        raise SystemExit(f"rlgate: {taken}") from None
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(config, run_dir / "config.toml")  # the settings this run (or resumption) used
     if start.weights is not None:  # engines start on the checkpoint's weights
@@ -164,15 +171,13 @@ def prepare(args: argparse.Namespace) -> Beginning:
     if start.adapter is not None:  # or on the base model with the checkpoint's adapter
         config.model.adapter = str(start.adapter)
     tracking = start_tracking(config, run_dir, start.step, args.resume)  # [logging]: fails the run here if it must
-    return Beginning(config, dataset, key, run_dir, start, tracking)
+    return Beginning(config, dataset, key, run_dir, start, tracking, channel)
 
 
 def take_the_cluster(begin: Beginning, args: argparse.Namespace) -> None:
-    """Join Ray and claim the run; check its task app; wait for room; end what an
-    earlier run of its name left; note where its trajectories stand."""
+    """Check the run's task app; wait for room; end what an earlier run of its name
+    left; note where its trajectories stand."""
     config, run = begin.config, begin.config.gateway.run_name
-    ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE)
-    begin.channel = claim_run(run, begin.start.first_command)  # refused while another driver runs it
     # before anything starts: a bad task app fails the run at once
     begin.task_app = check_task_app(config, task_app_key(args.job_manager, run))
     # after ray.init, which sets its own SIGTERM: `ray job stop` acts as Ctrl-C. SIGINT too, which a shell
@@ -291,38 +296,6 @@ def start_trainer(
         storage=run_dir,
         max_failures=config.training.max_failures,
     )
-
-
-CLAIM_WAIT_S = 20.0  # a driver stopped hard frees its run's name within a second or two (its channel ends with it)
-
-
-def claim_run(run: str, first_command: int) -> ActorHandle:
-    """The run's TrainChannel, made before anything of the run is touched: its name
-    is the run's claim on the cluster. It is this process's actor (not detached) and
-    ends with it, so a second driver of a run under way (the same config submitted
-    twice) is refused here, where it would have deleted that run's application and
-    ended its stores. A channel whose driver was stopped hard is waited out."""
-    deadline, answered = time.monotonic() + CLAIM_WAIT_S, 0
-    while True:
-        try:
-            return TrainChannel.options(name=actor_name(run, "train"), namespace=NAMESPACE).remote(first_command)
-        except ValueError:  # the name is taken: a driver of this run lives, or one stopped hard is ending
-            answered = answered + 1 if answers(run, "train") else 0
-            if answered == 2 or time.monotonic() > deadline:  # alive, a second apart
-                raise SystemExit(
-                    f"rlgate: run '{run}' is under way on this cluster (another driver holds it): give this run "
-                    "another --run-name, or stop that one first"
-                ) from None
-            time.sleep(1.0)
-
-
-def answers(run: str, role: str) -> bool:
-    """Whether the run's actor in ``role`` is there and answers within a few seconds."""
-    try:
-        ray.get(get_actor(run, role).__ray_ready__.remote(), timeout=5)
-        return True
-    except (ValueError, ray.exceptions.RayError):
-        return False
 
 
 @dataclass
@@ -559,13 +532,6 @@ def app_state(name: str) -> str:
     return "; ".join(parts)
 
 
-def serve_gateway(config: RLGateConfig, version: int, key: AdminKey) -> tuple[str, bool]:
-    """Serve started and the gateway deployed, with nothing between them (``rlgate
-    eval``): the URL agents use, and whether this process started Serve."""
-    serving = start_serve(config, version)
-    return deploy_gateway(config, serving, version, key), serving.started
-
-
 def direct_url(config: RLGateConfig, address: str) -> str | None:
     """The gateway replica's own port ([gateway] direct_port) when it answers on
     this host: the run's episodes then skip Serve's proxy hop. None with several
@@ -770,18 +736,24 @@ def clear_the_route(config: RLGateConfig) -> None:
         return
     run, prefix = config.gateway.run_name, config.gateway.route_prefix
     name = app_name(run, prefix)
-    routes = {app: details.get("route_prefix") for app, details in client.get_serve_details()["applications"].items()}
-    holder = next((app for app, route in routes.items() if route == prefix and app != name), None)
-    owner = serving_run(name) if name in routes else None
-    if holder is not None or owner not in (None, run):
-        what = f"application '{holder}'" if holder is not None else f"run '{owner}'"
+    apps = client.get_serve_details()["applications"]
+    holder = next((app for app, details in apps.items() if details.get("route_prefix") == prefix and app != name), None)
+    owner = serving_run(name) if name in apps else None
+    # at the root every run's application is named rlgate: one that does not say whose it is (deploying, or too
+    # busy to answer in time) is left alone unless it is down for good
+    unknown = owner is None and prefix == "/" and name in apps and apps[name]["status"] not in DOWN
+    if holder is not None or owner not in (None, run) or unknown:
+        what = f"application '{holder}'" if holder is not None else f"run '{owner}'" if owner else f"'{name}'"
         raise SystemExit(
             f"rlgate: route '{prefix}' is served by {what} on this cluster: give this run a [gateway] route_prefix "
             f"of its own, or end that one first (`serve delete {holder or name}` if what served it is gone)"
         )
-    if name in routes:
+    if name in apps:
         print(f"rlgate: an earlier run's application {name} is still deployed; deleting it first", flush=True)
         serve.delete(name)
+
+
+DOWN = ("DEPLOY_FAILED", "UNHEALTHY")  # Serve's states of an application that serves nothing
 
 
 def serving_run(app: str) -> str | None:

@@ -736,6 +736,9 @@ def test_a_run_takes_back_its_route_from_a_dead_driver_of_its_name_and_never_fro
     try:
         with pytest.raises(SystemExit, match="route '/' is served by run 'other-run' on this cluster: give this run"):
             clear_the_route(run_at(dead, "/"))
+        serve.run(Served.bind(None), name="rlgate", route_prefix="/")  # one that does not say whose it is
+        with pytest.raises(SystemExit, match="route '/' is served by 'rlgate' on this cluster"):
+            clear_the_route(run_at(dead, "/"))
         serve.run(Served.bind(dead), name="rlgate", route_prefix="/")  # this run's own, its driver dead
         clear_the_route(run_at(dead, "/"))
         assert "rlgate" not in serve.status().applications

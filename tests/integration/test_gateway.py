@@ -125,7 +125,8 @@ def test_streaming_sends_text_and_tool_calls_incrementally(gw):
     assert json.loads(calls[0].function.arguments) == {"expression": "12 + 30"}
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
-    # plain text streams in several pieces as it is generated
+    # plain text streams in pieces as it is generated (how many depends on the machine: tokens the engine
+    # produced while the stream was not read arrive together, 3 pieces for 6 tokens under a loaded suite)
     history = ask("What is 12 + 30?") + [
         {
             "role": "assistant",
@@ -145,7 +146,7 @@ def test_streaming_sends_text_and_tool_calls_incrementally(gw):
         )
     )
     pieces = [c.choices[0].delta.content for c in streamed if c.choices and c.choices[0].delta.content]
-    assert "".join(pieces) == "The answer is 42." and len(pieces) > 3
+    assert "".join(pieces) == "The answer is 42." and len(pieces) > 1
     assert all(c.usage is None and c.choices for c in streamed)  # no usage chunk unless stream_options asks
     httpx.post(f"{gw.url}/rl/end_session", headers=session_headers(session["api_key"]))
 

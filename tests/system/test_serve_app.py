@@ -132,13 +132,14 @@ def test_no_admin_key_is_made_where_its_print_would_land_in_rays_logs(ray_sessio
 def test_python_serve_app_prints_url_and_a_generated_admin_key_and_ends_what_it_made(ray_session, config_file):
     """`python serve_app.py` with RAY_ADDRESS, on a cluster whose Serve already
     listens: it serves at Serve's own address (not --port's), prints a generated
-    admin key that works, refuses a second ``serve_app.py`` beside it, and at
+    admin key that works, holds its run and refuses a second ``serve_app.py``, and at
     Ctrl-C ends its application and its run's actors, while another application,
     and Serve itself, go on serving. (Starting Serve on the configured address is
     a driver's path too: test_cluster.py's job.)"""
     from ray import serve
 
     from rlgate.run import ROLES, actor_name, is_alive
+    from rlgate.serving.app import Taken, claim_run
 
     @serve.deployment(ray_actor_options={"num_cpus": 0})
     class Other:
@@ -174,6 +175,8 @@ def test_python_serve_app_prints_url_and_a_generated_admin_key_and_ends_what_it_
         )
         assert second.returncode == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
         assert "rlgate: an application 'rlgate' is already served on this cluster" in second.stderr
+        with pytest.raises(Taken, match="run 'cli' is in use on this cluster"):  # as a driver of the run would be
+            claim_run("cli")
         assert wait_healthy(url, process)["status"] == "ok" and is_alive("cli", "sessions")
     finally:
         stop(process, output)

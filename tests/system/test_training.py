@@ -398,7 +398,7 @@ total_steps = {steps}
         # application and ended its stores), and this run goes on
         second = train(path, env=joined.env)
         assert second.returncode == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
-        assert "rlgate: run 'online' is under way on this cluster (another driver holds it)" in second.stderr
+        assert "rlgate: run 'online' is in use on this cluster (a training driver, " in second.stderr
         assert httpx.get(f"{url}/health", timeout=5).status_code == 200
         # With no sessions the trainer waits: no step, the process is alive.
         assert driver.poll() is None and not (run / "metrics.jsonl").exists()
