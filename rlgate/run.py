@@ -13,7 +13,9 @@ role            what                                                  made by
 ``trajectories`` TrajectoryStore: saved trajectories                  Gateway
 ``capacity``    CapacityActor: admission and staleness                Gateway
 ``policy``      PolicyStore: the published weights and version        Gateway, RolloutServer
-``train``       TrainChannel: the driver's commands to its trainers   the driver
+``train``       TrainChannel: the driver's commands to its trainers,  the process
+                and the run's claim (not detached: it ends with the   serving the
+                process; ``rlgate.serving.app.claim_run``)            run
 ``jobs``        JobManager: the RL jobs a gateway application takes   Gateway (on first use)
 =============== ===================================================== ==========
 
