@@ -79,6 +79,18 @@ def is_alive(run: str, role: str) -> bool:
         return False
 
 
+def answers(run: str, role: str, timeout_s: float = 5.0) -> bool:
+    """Whether the run's actor in ``role`` is there and answers within ``timeout_s``
+    (a name can outlive its process for a while: a lost node's, until Ray sees it go)."""
+    import ray
+
+    try:
+        ray.get(get_actor(run, role).__ray_ready__.remote(), timeout=timeout_s)
+        return True
+    except (ValueError, ray.exceptions.RayError):
+        return False
+
+
 def end_actors(run: str, roles: tuple[str, ...] = ROLES, wait_s: float = 60.0) -> None:
     """Kill the run's actors in ``roles`` and wait (up to ``wait_s``) until their
     names are free: ``ray.kill`` returns before an actor is gone, and until then a

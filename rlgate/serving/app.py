@@ -35,7 +35,7 @@ from rlgate.actors.rollout_server import RolloutServer
 from rlgate.config import RLGateConfig, load_config
 from rlgate.models import BUILTIN_DTYPES, prepare_model, tokenizer_class
 from rlgate.rollout.pool import PoolRefused, PoolSpec, TenantInfo
-from rlgate.run import NAMESPACE, ROLES, actor_name, app_name, end_actors, get_actor
+from rlgate.run import NAMESPACE, ROLES, actor_name, answers, app_name, end_actors
 from rlgate.serving.auth import AdminKeyRefused, is_weak, refuse_public_bind
 from rlgate.serving.routing import router_config, serve_start_options
 from rlgate.sessions.manager import hash_key, new_key
@@ -190,7 +190,7 @@ def claim_run(run: str, first_command: int = 0) -> ActorHandle:
         try:
             return TrainChannel.options(name=actor_name(run, "train"), namespace=NAMESPACE).remote(first_command)
         except ValueError:  # the name is taken: a process of this run lives, or one stopped hard is ending
-            answered = answered + 1 if _answers(run, "train") else 0
+            answered = answered + 1 if answers(run, "train") else 0
             ever = ever or answered > 0
             if answered == 2:
                 raise Taken(
@@ -203,17 +203,6 @@ def claim_run(run: str, first_command: int = 0) -> ActorHandle:
                     " (its node lost?): try again once Ray has seen it go (a minute or so)"
                 ) from None
             time.sleep(1.0)
-
-
-def _answers(run: str, role: str) -> bool:
-    """Whether the run's actor in ``role`` is there and answers within a few seconds."""
-    import ray
-
-    try:
-        ray.get(get_actor(run, role).__ray_ready__.remote(), timeout=5)
-        return True
-    except (ValueError, ray.exceptions.RayError):
-        return False
 
 
 def refuse_served(app: str) -> None:

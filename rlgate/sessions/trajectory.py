@@ -133,9 +133,8 @@ class Interaction:
     def continues(self, parent: Interaction) -> bool:
         """Whether this prompt starts with ``parent``'s prompt and completion, token for token."""
         start, end = len(parent.prompt_ids), len(parent.prompt_ids) + len(parent.completion_ids)
-        return self.prompt_ids[:start] == parent.prompt_ids and list(self.prompt_ids[start:end]) == list(
-            parent.completion_ids
-        )
+        completion = list(parent.completion_ids)  # slices of a prompt are lists; a recorded completion an array
+        return self.prompt_ids[:start] == parent.prompt_ids and self.prompt_ids[start:end] == completion
 
 
 class TrajectoryRecord(TypedDict):
