@@ -131,14 +131,16 @@ class Gateway:
         beyond loopback (whatever the TOML's ``[gateway] host`` says).
         ``tokenizer_class``: the model's (:func:`rlgate.models.tokenizer_class`),
         so the tokenizer loads without torch."""
+        # what __del__ ends, set before anything here can fail: Serve calls it after a failed __init__ too
+        self.engine, self.follower, self.sessions, self.listener = None, None, None, None
+        self.stopping = False  # Serve is ending this replica: its engine (colocated) goes on purpose
         settings = RLGateConfig.model_validate(config)
         gateway = settings.gateway
         refuse_public_bind(await proxy_host(), key_fit_for_public)
         if gateway.direct_port is not None:  # its own listener binds [gateway] host
             refuse_public_bind(gateway.host, key_fit_for_public)
         capacity, trajectories = run_stores(gateway)
-        self.engine, self.follower, self.request_log, self.slot, peers = None, None, RequestLog(0), None, None
-        self.stopping = False  # Serve is ending this replica: its engine (colocated) goes on purpose
+        self.request_log, self.slot, peers = RequestLog(0), None, None
         self.run = gateway.run_name
         if gateway.colocate:
             engine, sessions, peers = await self._colocate(
@@ -161,7 +163,6 @@ class Gateway:
             peers,
         )
         self.metrics = Metrics(gateway.run_name)
-        self.listener = None
         if gateway.direct_port is not None:  # agents may skip Serve's proxy hop
             rollout_limits = settings.rollout.max_ongoing_requests + settings.rollout.max_queued_requests
             direct = InFlightLimit(build_app(self.service, self.metrics), rollout_limits)
@@ -239,7 +240,10 @@ class Gateway:
         self.stopping = True
         if self.listener is not None:
             await self.listener.close()
-        if self.engine is not None:
+        if self.engine is None:  # split: the RolloutServer's engine, the SessionStore's sessions
+            return
+        if self.sessions is not None:
             self.sessions.close()
+        if self.follower is not None:
             await self.follower.stop()
-            await self.engine.shutdown()
+        await self.engine.shutdown()

@@ -52,13 +52,15 @@ class RolloutServer:
     async def __init__(self, config: dict, model_path: str, initial_version: int = 0, pool: str | None = None) -> None:
         """``pool``: this replica belongs to that engine pool and serves its runs
         (``config`` is then the settings the pool was made with)."""
+        # what __del__ ends, set before anything here can fail: Serve calls it after a failed __init__ too
+        self.engine: Engine | None = None
+        self.follower, self.tenants = None, None
+        self.stopping = False  # Serve is ending this replica: its engine goes on purpose
         settings = RLGateConfig.model_validate(config)
-        self.engine: Engine = run_engine(settings, model_path, initial_version)
+        self.engine = run_engine(settings, model_path, initial_version)
         self.request_log = RequestLog(settings.rollout.request_log_size)
         await self.engine.ready()
         self.replica = serve.get_replica_context().replica_id.unique_id
-        self.follower, self.tenants = None, None
-        self.stopping = False  # Serve is ending this replica: its engine goes on purpose
         if pool is not None:
             self.tenants = PoolTenants(self.engine, pool, self.replica)
             await self.tenants.start()  # serve each run's current adapter before taking traffic
@@ -132,5 +134,7 @@ class RolloutServer:
 
     async def __del__(self) -> None:
         self.stopping = True
-        await (self.follower or self.tenants).stop()
-        await self.engine.shutdown()
+        if (following := self.follower or self.tenants) is not None:
+            await following.stop()
+        if self.engine is not None:
+            await self.engine.shutdown()
