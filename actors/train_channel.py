@@ -63,6 +63,10 @@ class TrainChannel:
                 for old in [i for i in table if i < index]:
                     del table[old]
 
+    async def stopped(self) -> bool:
+        """Whether the driver has sent stop (a worker starting after it has nothing to do)."""
+        return any(command["op"] == "stop" for command in self.commands.values())
+
     async def first_held(self) -> int:
         """The first command still held: a restarted worker must resume at or after it."""
         return self.floor

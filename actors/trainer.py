@@ -84,6 +84,8 @@ def train_worker(setup: dict) -> None:
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     channel = ray.get_actor(setup["channel"], namespace=NAMESPACE)
+    if ray.get(channel.stopped.remote()):  # the run ended while its workers started: nothing to load
+        return
     policy = ray.get_actor(setup["policy"], namespace=NAMESPACE)
     torch.manual_seed(settings.training.seed)
     if settings.compute.threads_per_worker is not None:  # else Ray's OMP_NUM_THREADS: the CPUs it reserves
@@ -275,6 +277,7 @@ class TrainerWorkers:
             ),
         )
         self.error: BaseException | None = None
+        self.stepped = False  # a step was sent: stopping waits for the workers from then on
         self._thread = threading.Thread(target=self._fit, name="ray-train-fit", daemon=True)
         self._thread.start()
 
@@ -304,6 +307,7 @@ class TrainerWorkers:
             "driver_state": driver_state,
         }
         index = ray.get(self.channel.submit.remote(command))
+        self.stepped = True
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.error is not None:
@@ -316,5 +320,10 @@ class TrainerWorkers:
         raise TimeoutError(f"training step {index} did not finish within {timeout_s} s")
 
     def stop(self, timeout_s: float = 120) -> None:
+        """Stop the workers, waiting up to ``timeout_s`` (a step under way finishes,
+        its checkpoint saved). Before the first step nothing of the run is on them,
+        so nothing is waited for (Ctrl-C while a run starts does not wait for its
+        workers to load the model): a worker starting after this returns at once,
+        and what is still starting ends with the driver's Ray job."""
         ray.get(self.channel.submit.remote({"op": "stop"}))
-        self._thread.join(timeout_s)
+        self._thread.join(timeout_s if self.stepped else 0)

@@ -585,6 +585,14 @@ def test_ctrl_c_while_the_run_starts_ends_what_it_had_started(tmp_path, joined):
     # (the deploy takes seconds, so the Ctrl-C lands in it; were it done, the run would end as interrupted, the same)
     assert driver.returncode in (130, 0) and "rlgate: interrupted" in output, output[-3000:]
     assert_left_nothing("taskapp")
+    # its Ray Train workers, stopped before any step, were not waited for: they end with the driver's job
+    from ray.util.state import list_actors
+
+    trainer = {"TrainController", "RayTrainWorker"}
+    deadline = time.monotonic() + 60
+    while left := [a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name in trainer]:
+        assert time.monotonic() < deadline, f"the run's trainer outlived its driver: {left}"
+        time.sleep(0.5)
 
 
 def test_a_task_app_the_config_does_not_allow_is_never_called(tmp_path, joined):
