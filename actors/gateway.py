@@ -242,8 +242,10 @@ class Gateway:
             await self.listener.close()
         if self.engine is None:  # split: the RolloutServer's engine, the SessionStore's sessions
             return
-        if self.sessions is not None:
-            self.sessions.close()
-        if self.follower is not None:
-            await self.follower.stop()
-        await self.engine.shutdown()
+        try:
+            if self.sessions is not None:
+                self.sessions.close()
+            if self.follower is not None:  # (its PolicyStore may be gone: the engine still ends)
+                await self.follower.stop()
+        finally:
+            await self.engine.shutdown()

@@ -134,7 +134,9 @@ class RolloutServer:
 
     async def __del__(self) -> None:
         self.stopping = True
-        if (following := self.follower or self.tenants) is not None:
-            await following.stop()
-        if self.engine is not None:
-            await self.engine.shutdown()
+        try:
+            if (following := self.follower or self.tenants) is not None:  # (its store may be gone)
+                await following.stop()
+        finally:
+            if self.engine is not None:
+                await self.engine.shutdown()

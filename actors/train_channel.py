@@ -26,11 +26,13 @@ class TrainChannel:
         self.commands: dict[int, dict] = {}
         self.results: dict[int, dict[int, dict]] = {}
         self._changed = asyncio.Condition()
+        self.stepped = False  # a command other than stop was sent
 
     async def submit(self, command: dict) -> int:
         async with self._changed:
             index, self.next_index = self.next_index, self.next_index + 1
             self.commands[index] = command
+            self.stepped |= command["op"] != "stop"
             self._changed.notify_all()
             return index
 
@@ -63,9 +65,11 @@ class TrainChannel:
                 for old in [i for i in table if i < index]:
                     del table[old]
 
-    async def stopped(self) -> bool:
-        """Whether the driver has sent stop (a worker starting after it has nothing to do)."""
-        return any(command["op"] == "stop" for command in self.commands.values())
+    async def stopped_before_any_step(self) -> bool:
+        """Whether the driver sent stop before any step: a worker starting then has
+        nothing to do. (Once a step was sent, every worker, restarted ones too,
+        replays what it must and stops at the stop command, all ranks alike.)"""
+        return not self.stepped and any(command["op"] == "stop" for command in self.commands.values())
 
     async def first_held(self) -> int:
         """The first command still held: a restarted worker must resume at or after it."""

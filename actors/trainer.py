@@ -83,8 +83,11 @@ def train_worker(setup: dict) -> None:
     settings = RLGateConfig.model_validate(setup["settings"])
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
-    channel = ray.get_actor(setup["channel"], namespace=NAMESPACE)
-    if ray.get(channel.stopped.remote()):  # the run ended while its workers started: nothing to load
+    try:
+        channel = ray.get_actor(setup["channel"], namespace=NAMESPACE)
+        if ray.get(channel.stopped_before_any_step.remote()):  # the run ended while its workers started
+            return
+    except (ValueError, ray.exceptions.RayActorError):  # the channel is gone: so is the driver that sent steps
         return
     policy = ray.get_actor(setup["policy"], namespace=NAMESPACE)
     torch.manual_seed(settings.training.seed)
@@ -306,8 +309,8 @@ class TrainerWorkers:
             "save": save,
             "driver_state": driver_state,
         }
+        self.stepped = True  # before the submit: a stop from then on waits for this step
         index = ray.get(self.channel.submit.remote(command))
-        self.stepped = True
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.error is not None:

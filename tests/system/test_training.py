@@ -157,7 +157,8 @@ def train(
             timeout=600,
         )
     except subprocess.TimeoutExpired as err:  # say where it stood
-        pytest.fail(f"{command} did not finish in 600 s; its output:\n{(err.stdout or b'')[-4000:]!r}")
+        out, said = ((stream or b"")[-5000:].decode(errors="replace") for stream in (err.stdout, err.stderr))
+        pytest.fail(f"{command} did not finish in 600 s; its output:\n{out}\nits errors:\n{said}")
 
 
 def start_driver(path: Path, admin_key: str = "train-test-admin-key-0123", env: dict | None = None) -> subprocess.Popen:
@@ -590,7 +591,8 @@ def test_ctrl_c_while_the_run_starts_ends_what_it_had_started(tmp_path, joined):
 
     trainer = {"TrainController", "RayTrainWorker"}
     deadline = time.monotonic() + 60
-    while left := [a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name in trainer]:
+    alive = [("state", "=", "ALIVE")]
+    while left := [a.class_name for a in list_actors(joined.address, filters=alive) if a.class_name in trainer]:
         assert time.monotonic() < deadline, f"the run's trainer outlived its driver: {left}"
         time.sleep(0.5)
 

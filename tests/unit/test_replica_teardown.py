@@ -40,18 +40,54 @@ class NeverReady:
         self.shut_down = True
 
 
-@pytest.fixture
-def started(monkeypatch) -> list[NeverReady]:
-    """The engines the replica under test starts (each one's start fails)."""
+class Ready(NeverReady):
+    async def ready(self) -> None:
+        pass
+
+
+class StoreGone:
+    """A PolicyFollower whose PolicyStore is gone: its start fails, and so does its stop."""
+
+    def __init__(self, *args) -> None:
+        pass
+
+    async def start(self) -> None:
+        raise RuntimeError("the policy store is gone")
+
+    async def stop(self) -> None:
+        raise RuntimeError("the policy store is gone")
+
+
+CONTEXT = SimpleNamespace(rank=SimpleNamespace(rank=0), app_name="app", replica_id=SimpleNamespace(unique_id="r"))
+
+
+def engines_started(monkeypatch, kind: type) -> list[NeverReady]:
+    """The engines (of ``kind``) the replica under test starts."""
     engines = []
 
     def run_engine(*args):
-        engines.append(NeverReady())
+        engines.append(kind())
         return engines[-1]
 
     monkeypatch.setattr(gateway_module, "run_engine", run_engine)
     monkeypatch.setattr(rollout_module, "run_engine", run_engine)
     return engines
+
+
+@pytest.fixture
+def started(monkeypatch) -> list[NeverReady]:
+    """The engines the replica under test starts, each one's start failing."""
+    return engines_started(monkeypatch, NeverReady)
+
+
+@pytest.fixture
+def started_storeless(monkeypatch) -> list[NeverReady]:
+    """The engines the replica under test starts, ready, but the run's PolicyStore gone."""
+    for module in (gateway_module, rollout_module):
+        monkeypatch.setattr(module, "PolicyFollower", StoreGone)
+        monkeypatch.setattr(module, "get_or_create_policy_store", lambda *args: None)
+    monkeypatch.setattr(gateway_module.serve, "get_replica_context", lambda: CONTEXT)
+    return engines_started(monkeypatch, Ready)
 
 
 async def test_a_gateway_refused_before_it_starts_anything_ends_cleanly(monkeypatch, tmp_path):
@@ -70,16 +106,30 @@ async def test_a_colocated_gateway_whose_engine_fails_to_start_ends_that_engine(
     async def loopback() -> str:
         return "127.0.0.1"
 
-    context = SimpleNamespace(rank=SimpleNamespace(rank=0), app_name="app", replica_id=SimpleNamespace(unique_id="r"))
     monkeypatch.setattr(gateway_module, "proxy_host", loopback)
     monkeypatch.setattr(gateway_module, "run_stores", lambda gateway: (None, None))
-    monkeypatch.setattr(gateway_module.serve, "get_replica_context", lambda: context)
+    monkeypatch.setattr(gateway_module.serve, "get_replica_context", lambda: CONTEXT)
     config = parse_config(SETTINGS | {"gateway": {"run_dir": str(tmp_path), "colocate": True}}).model_dump()
     replica, delete = unmade(gateway_module.Gateway)
     with pytest.raises(RuntimeError, match="KV cache"):
         await replica.__init__(None, config, "model", "hash")
     await delete()
     assert [engine.shut_down for engine in started] == [True]
+
+
+async def test_a_colocated_gateway_whose_store_is_gone_still_ends_its_engine(monkeypatch, tmp_path, started_storeless):
+    async def loopback() -> str:
+        return "127.0.0.1"
+
+    monkeypatch.setattr(gateway_module, "proxy_host", loopback)
+    monkeypatch.setattr(gateway_module, "run_stores", lambda gateway: (None, None))
+    config = parse_config(SETTINGS | {"gateway": {"run_dir": str(tmp_path), "colocate": True}}).model_dump()
+    replica, delete = unmade(gateway_module.Gateway)
+    with pytest.raises(RuntimeError, match="policy store is gone"):
+        await replica.__init__(None, config, "model", "hash")
+    with pytest.raises(RuntimeError, match="policy store is gone"):  # Serve logs it; the engine is ended first
+        await delete()
+    assert [engine.shut_down for engine in started_storeless] == [True]
 
 
 async def test_a_rollout_server_whose_engine_fails_to_start_ends_that_engine(tmp_path, started):
@@ -89,3 +139,13 @@ async def test_a_rollout_server_whose_engine_fails_to_start_ends_that_engine(tmp
         await replica.__init__(config, "model")
     await delete()
     assert [engine.shut_down for engine in started] == [True]
+
+
+async def test_a_rollout_server_whose_policy_store_is_gone_still_ends_its_engine(tmp_path, started_storeless):
+    config = parse_config(SETTINGS | {"gateway": {"run_dir": str(tmp_path)}}).model_dump()
+    replica, delete = unmade(rollout_module.RolloutServer)
+    with pytest.raises(RuntimeError, match="policy store is gone"):
+        await replica.__init__(config, "model")
+    with pytest.raises(RuntimeError, match="policy store is gone"):
+        await delete()
+    assert [engine.shut_down for engine in started_storeless] == [True]
