@@ -102,7 +102,29 @@ async def test_a_gateway_refused_before_it_starts_anything_ends_cleanly(monkeypa
     await delete()  # nothing started: nothing to end, and no AttributeError
 
 
-async def test_a_colocated_gateway_whose_engine_fails_to_start_ends_that_engine(monkeypatch, tmp_path, started):
+# (the engines the replica starts, what its constructor fails with, whether its __del__ fails too: Serve logs that)
+FAILURES = {
+    "engine start": ("started", "KV cache", False),
+    "policy store gone": ("started_storeless", "policy store is gone", True),
+}
+
+
+async def constructed_then_deleted(request, failing: str, replica, delete, *args) -> list[NeverReady]:
+    """Construct ``replica`` (failing as ``failing`` says), delete it as Serve would; the engines it started."""
+    fixture, error, deleting_fails = FAILURES[failing]
+    started = request.getfixturevalue(fixture)
+    with pytest.raises(RuntimeError, match=error):
+        await replica.__init__(*args)
+    if deleting_fails:
+        with pytest.raises(RuntimeError, match=error):  # the engine is ended all the same
+            await delete()
+    else:
+        await delete()
+    return started
+
+
+@pytest.mark.parametrize("failing", FAILURES)
+async def test_a_colocated_gateway_that_fails_to_start_ends_its_engine(monkeypatch, tmp_path, request, failing):
     async def loopback() -> str:
         return "127.0.0.1"
 
@@ -111,41 +133,13 @@ async def test_a_colocated_gateway_whose_engine_fails_to_start_ends_that_engine(
     monkeypatch.setattr(gateway_module.serve, "get_replica_context", lambda: CONTEXT)
     config = parse_config(SETTINGS | {"gateway": {"run_dir": str(tmp_path), "colocate": True}}).model_dump()
     replica, delete = unmade(gateway_module.Gateway)
-    with pytest.raises(RuntimeError, match="KV cache"):
-        await replica.__init__(None, config, "model", "hash")
-    await delete()
+    started = await constructed_then_deleted(request, failing, replica, delete, None, config, "model", "hash")
     assert [engine.shut_down for engine in started] == [True]
 
 
-async def test_a_colocated_gateway_whose_store_is_gone_still_ends_its_engine(monkeypatch, tmp_path, started_storeless):
-    async def loopback() -> str:
-        return "127.0.0.1"
-
-    monkeypatch.setattr(gateway_module, "proxy_host", loopback)
-    monkeypatch.setattr(gateway_module, "run_stores", lambda gateway: (None, None))
-    config = parse_config(SETTINGS | {"gateway": {"run_dir": str(tmp_path), "colocate": True}}).model_dump()
-    replica, delete = unmade(gateway_module.Gateway)
-    with pytest.raises(RuntimeError, match="policy store is gone"):
-        await replica.__init__(None, config, "model", "hash")
-    with pytest.raises(RuntimeError, match="policy store is gone"):  # Serve logs it; the engine is ended first
-        await delete()
-    assert [engine.shut_down for engine in started_storeless] == [True]
-
-
-async def test_a_rollout_server_whose_engine_fails_to_start_ends_that_engine(tmp_path, started):
+@pytest.mark.parametrize("failing", FAILURES)
+async def test_a_rollout_server_that_fails_to_start_ends_its_engine(tmp_path, request, failing):
     config = parse_config(SETTINGS | {"gateway": {"run_dir": str(tmp_path)}}).model_dump()
     replica, delete = unmade(rollout_module.RolloutServer)
-    with pytest.raises(RuntimeError, match="KV cache"):
-        await replica.__init__(config, "model")
-    await delete()
+    started = await constructed_then_deleted(request, failing, replica, delete, config, "model")
     assert [engine.shut_down for engine in started] == [True]
-
-
-async def test_a_rollout_server_whose_policy_store_is_gone_still_ends_its_engine(tmp_path, started_storeless):
-    config = parse_config(SETTINGS | {"gateway": {"run_dir": str(tmp_path)}}).model_dump()
-    replica, delete = unmade(rollout_module.RolloutServer)
-    with pytest.raises(RuntimeError, match="policy store is gone"):
-        await replica.__init__(config, "model")
-    with pytest.raises(RuntimeError, match="policy store is gone"):
-        await delete()
-    assert [engine.shut_down for engine in started_storeless] == [True]
