@@ -329,4 +329,5 @@ class TrainerWorkers:
         workers to load the model): a worker starting after this returns at once,
         and what is still starting ends with the driver's Ray job."""
         ray.get(self.channel.submit.remote({"op": "stop"}))
-        self._thread.join(timeout_s if self.stepped else 0)
+        if self.stepped:
+            self._thread.join(timeout_s)
